@@ -1,0 +1,53 @@
+# Two commands do all the set-up: `make demo` and `make test`. Set-up is idempotent:
+# the second run only checks a stamp file.
+SHELL := /bin/bash
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+BIN   := $(VENV)/bin
+# CPU build that lies on these machines' disk; a torch already importable is kept (CUDA users).
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.dflash-installed
+export PYTHONHASHSEED := 0
+
+.PHONY: setup demo test test-nbs test-py check-sync readme bench clean-venv
+setup: $(STAMP)
+
+$(STAMP): settings.ini setup.py Makefile
+	@if [ ! -x $(PY) ]; then \
+	  if python3 -c 'import torch' 2>/dev/null; then \
+	    echo "Using the torch installed in $$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')"; \
+	    python3 -m venv --system-site-packages $(VENV); \
+	  else python3 -m venv $(VENV); fi; fi
+	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m ipykernel install --sys-prefix --name dflash --display-name 'Python (dflash)' >/dev/null
+	@touch $@
+
+demo: setup
+	$(BIN)/papermill nbs/data.ipynb runs/demo/data.out.ipynb -p out runs/demo/data --log-output
+
+# The notebooks are the source: dflash/ must be what they export, and they must be clean.
+check-sync: setup
+	$(BIN)/nbdev_export
+	@git diff --exit-code --stat -- dflash || { echo "dflash/ is out of sync with nbs/: run nbdev_export and commit"; exit 1; }
+	@test -z "$$(git ls-files --others --exclude-standard -- dflash)" || { echo "untracked exported files in dflash/"; exit 1; }
+	$(BIN)/nbdev_clean
+	@git diff --exit-code --stat -- nbs || { echo "notebooks are not clean: run nbdev_clean and commit"; exit 1; }
+	$(PY) tools/readme.py --check
+
+readme: setup
+	$(PY) tools/readme.py
+
+test-nbs: setup
+	$(BIN)/nbdev_test --n_workers 2 --timing
+
+test-py: setup
+	$(BIN)/pytest -q tests
+
+test: check-sync test-nbs test-py
+
+bench: setup
+	$(PY) bench/extract.py
+
+clean-venv:
+	rm -rf $(VENV)

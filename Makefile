@@ -8,6 +8,8 @@ BIN   := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.dflash-installed
 export PYTHONHASHSEED := 0
+# Tiny models on few cores: one intra-op thread per process beats oversubscribed OpenMP spinning.
+TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 
 .PHONY: setup demo test test-nbs test-py check-sync readme bench clean-venv
 setup: $(STAMP)
@@ -39,10 +41,10 @@ readme: setup
 	$(PY) tools/readme.py
 
 test-nbs: setup
-	$(BIN)/nbdev_test --n_workers 2 --timing
+	$(TEST_ENV) $(BIN)/nbdev_test --n_workers 2 --timing
 
 test-py: setup
-	$(BIN)/pytest -q tests
+	$(TEST_ENV) $(BIN)/pytest -q tests
 
 test: check-sync test-nbs test-py
 

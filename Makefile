@@ -26,7 +26,8 @@ $(STAMP): settings.ini setup.py Makefile
 	@touch $@
 
 demo: setup
-	$(BIN)/papermill nbs/data.ipynb runs/demo/data.out.ipynb -p out runs/demo/data --log-output
+	mkdir -p runs/demo
+	$(BIN)/papermill nbs/data.ipynb runs/demo/data.out.ipynb -p out runs/demo/data
 
 # The notebooks are the source: dflash/ must be what they export, and they must be clean.
 check-sync: setup

@@ -8,7 +8,7 @@ __all__ = ['ROLES', 'REASONS', 'LLAMA3_TEMPLATE', 'DataError', 'read_rows', 'Bad
            'encode_all', 'TokenizedDataset', 'load_tokenizer', 'prepare', 'prepare_cli', 'done_ids', 'load_target',
            'generate_replies', 'regenerate']
 
-# %% ../nbs/data.ipynb #f2ad10da
+# %% ../nbs/data.ipynb #bdc63938
 import argparse, hashlib, json, os, sys, time
 from collections import Counter
 from pathlib import Path
@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, AutoModelForCausalLM, GenerationConfig
 from .synth import DATA
 from .tiny_target import TARGET_DIR
 
-# %% ../nbs/data.ipynb #19f8cdda
+# %% ../nbs/data.ipynb #71bb31c6
 class DataError(ValueError):
     "Bad input data; the message names the file and the rows."
 
@@ -49,7 +49,7 @@ def read_rows(path):
             raise DataError(f'{path}: not JSON or JSONL; first bad line {i}: {e.msg}: {line[:80]!r}') from None
     return rows
 
-# %% ../nbs/data.ipynb #58851e13
+# %% ../nbs/data.ipynb #0de3d4cc
 ROLES = {'system': 'system', 'human': 'user', 'user': 'user', 'gpt': 'assistant', 'assistant': 'assistant',
          'model': 'assistant', 'chatgpt': 'assistant', 'bing': 'assistant',  # the last two as in raw ShareGPT dumps
          'tool': 'tool', 'function': 'tool'}
@@ -80,7 +80,7 @@ def normalize(rec, row):
     rid = next((rec[k] for k in ('id', 'conversation_id') if rec.get(k) is not None), row)
     return str(rid), msgs
 
-# %% ../nbs/data.ipynb #130c7554
+# %% ../nbs/data.ipynb #b785a528
 def load_conversations(path, max_samples=None):
     "Valid conversations `[dict(id, row, messages)]` of `path` and the problems `[dict(file, row, reason, detail)]`."
     convs, problems, seen = [], [], set()
@@ -106,7 +106,7 @@ def check(problems, strict=False, n_rows=None, what='rows'):
     print(f'skipped {len(problems)}' + (f' of {n_rows}' if n_rows else '') + f' {what}: '
           + ', '.join(f'{n} {r}' for r, n in counts.most_common()))
 
-# %% ../nbs/data.ipynb #2a251ea4
+# %% ../nbs/data.ipynb #a8c41312
 def render(tok, msgs, gen=False):
     "The chat-template text of `msgs`, with the generation prompt if `gen`."
     return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
@@ -145,7 +145,7 @@ def assistant_spans(tok, msgs, specials=None):
         spans.append((s, e)); pos = e
     return text, spans
 
-# %% ../nbs/data.ipynb #c12de15f
+# %% ../nbs/data.ipynb #72957c52
 def spans_to_mask(offsets, spans, n_chars):
     "Token mask (uint8) from character `spans`: a token is trainable if its last character is."
     cm = np.zeros(n_chars + 1, np.uint8)
@@ -167,13 +167,13 @@ def show_mask(tok, ids, mask):
         out.append(tok.convert_tokens_to_string([t]))
     return ''.join(out) + (']' if prev else '')
 
-# %% ../nbs/data.ipynb #69fc5a34
+# %% ../nbs/data.ipynb #d8911060
 LLAMA3_TEMPLATE = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
     "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
     "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 
-# %% ../nbs/data.ipynb #62164401
+# %% ../nbs/data.ipynb #0ce7602b
 def encode_all(tok, convs, max_length=2048, min_loss_tokens=1, batch_size=512):
     "`(samples, problems, n_truncated)`: samples are `dict(id, input_ids, loss_mask)` in the order of `convs`."
     specials, samples, problems, n_trunc = special_strings(tok), [], [], 0
@@ -197,7 +197,7 @@ def encode_all(tok, convs, max_length=2048, min_loss_tokens=1, batch_size=512):
     pbar.close()
     return samples, problems, n_trunc
 
-# %% ../nbs/data.ipynb #7bfc984b
+# %% ../nbs/data.ipynb #38032761
 class TokenizedDataset:
     "Tokenized conversations in flat arrays; `ds[i]` is `dict(input_ids, loss_mask, id)` of sample `i`."
     files = ('input_ids.npy', 'loss_mask.npy', 'offsets.npy')
@@ -246,7 +246,7 @@ class TokenizedDataset:
         return dict(input_ids=np.array(self.input_ids[s:e]), loss_mask=np.array(self.loss_mask[s:e]), id=self.ids[i])
     def __repr__(self): return f'TokenizedDataset({len(self)} samples, {int(self.offsets[-1])} tokens' + (f', {self.path})' if self.path else ')')
 
-# %% ../nbs/data.ipynb #d4f159fc
+# %% ../nbs/data.ipynb #0a921580
 def _stats(self):
     "Sample count, tokens, loss tokens and the length distribution."
     L = self.lengths if len(self) else np.zeros(1, np.int64)
@@ -266,7 +266,7 @@ def _plot_lengths(self, bins=50):
 
 TokenizedDataset.stats, TokenizedDataset.plot_lengths = _stats, _plot_lengths
 
-# %% ../nbs/data.ipynb #04d1f439
+# %% ../nbs/data.ipynb #03bf4cfa
 def load_tokenizer(target):
     "The tokenizer of `target` (a path or hub name), or `target` itself if it is a tokenizer."
     return AutoTokenizer.from_pretrained(str(target)) if isinstance(target, (str, Path)) else target
@@ -305,7 +305,7 @@ def prepare(data, target, out, max_length=2048, min_loss_tokens=1, strict=False,
     print(json.dumps(report['stats']))
     return ds
 
-# %% ../nbs/data.ipynb #f47c610c
+# %% ../nbs/data.ipynb #df846774
 def prepare_cli(argv=None):
     "Command line of `prepare`: `dflash_prepare --data X.jsonl --target MODEL --out DIR`."
     p = argparse.ArgumentParser(prog='dflash_prepare', description=prepare.__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -320,7 +320,7 @@ def prepare_cli(argv=None):
     try: prepare(**vars(a))
     except DataError as e: sys.exit(f'dflash_prepare: {e}')
 
-# %% ../nbs/data.ipynb #2e76c48c
+# %% ../nbs/data.ipynb #3ebcbed3
 def done_ids(path):
     "Ids already in the JSONL `path`. A half-written last line (an interrupted run) is cut off so it is redone."
     path = Path(path)
@@ -358,7 +358,7 @@ def generate_replies(model, tok, prompts, gen_config):
         res.append((tok.decode(seq[:cut], skip_special_tokens=True), cut is None))
     return res
 
-# %% ../nbs/data.ipynb #6e1b71a9
+# %% ../nbs/data.ipynb #0047f6ae
 def regenerate(target, data, out_jsonl, batch_size=8, max_new_tokens=256, temperature=0.0, seed=0, max_samples=None, device=None):
     "Replace every assistant turn of `data` (a file, or a list of records) with `target`'s reply; append to `out_jsonl`."
     if isinstance(data, (str, Path)):

@@ -1,0 +1,219 @@
+"Speculative decoding: lossless on standard and hybrid targets, tau of oracle/wrong drafters, n-gram lookup, cache rollback."
+import warnings
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, Qwen3Config
+from dflash.evaluate import (DFlashDrafter, NgramDrafter, crop, croppable, evaluate, evaluate_many, greedy_decode, greedy_reference,
+                             heldout_prompts, load_drafter, load_target, ngram_propose, prompt_messages, recurrent_mixers, restore,
+                             rollback, snapshot, spec_decode)
+from dflash.synth import DATA
+from dflash.tiny_target import target_config
+
+TARGET = DATA / 'tiny-target'
+
+@pytest.fixture(autouse=True, scope='module')
+def one_thread():
+    "Batch-1 decoding of tiny models: one thread is fastest, and steady on a shared machine."
+    n = torch.get_num_threads(); torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+@pytest.fixture(scope='module')
+def tok(): return AutoTokenizer.from_pretrained(TARGET)
+
+@pytest.fixture(scope='module')
+def prompts(tok): return heldout_prompts(tok, n=3)
+
+# Random models with a wider init than the default 0.02, whose tied embeddings make a model repeat its input
+# token: these give varied greedy outputs with clear margins.
+def qwen3(vocab, seed=0):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(Qwen3Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.1)).eval()
+
+def llama(vocab, seed=0):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=512, initializer_range=0.1)).eval()
+
+def hybrid(tok, seed=0):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(target_config(tok, hidden=64, layers=4, initializer_range=0.1)).eval()
+
+@pytest.fixture(scope='module', params=['qwen3', 'llama', 'hybrid'])
+def model(request, tok):
+    return hybrid(tok) if request.param == 'hybrid' else {'qwen3': qwen3, 'llama': llama}[request.param](len(tok))
+
+class Oracle:
+    "Proposes the target's own greedy continuation (or, with `wrong`, a different token at every slot)."
+    layer_ids = None
+    def __init__(self, prompt, answer, wrong=False, vocab=None): self.seq, self.wrong, self.vocab = list(prompt) + list(answer), wrong, vocab
+    def reset(self): pass
+    def propose(self, tokens, taps, k):
+        d = self.seq[len(tokens):len(tokens) + k]
+        return [(t + 1) % self.vocab for t in d] if self.wrong else d
+
+# --- prompts
+
+def test_prompts_stop_at_first_assistant_turn(tok, prompts):
+    conv = [{'from': 'human', 'value': 'a'}, {'from': 'gpt', 'value': 'b'}, {'from': 'human', 'value': 'c'}]
+    assert prompt_messages(conv) == [{'role': 'user', 'content': 'a'}]
+    with pytest.raises(ValueError, match='row 7: no user turn'): prompt_messages([{'from': 'gpt', 'value': 'b'}], 'row 7')
+    assert len(prompts) == 3
+    for p in prompts:
+        text = tok.decode(p)
+        assert text.startswith('<|im_start|>') and text.endswith('<|im_start|>assistant\n') and text.count('<|im_start|>assistant') == 1
+
+# --- n-gram drafter
+
+def test_ngram_match_proposes_continuation():
+    assert ngram_propose([1, 2, 3, 4, 9, 2, 3], 3) == [4, 9, 2]
+    assert ngram_propose([1, 2, 3, 4, 9, 2, 3], 1) == [4]
+    assert ngram_propose([1, 2, 3, 4, 9, 2, 3], 10) == [4, 9, 2, 3], 'runs to the end of the tokens at most'
+
+def test_ngram_prefers_longest_then_most_recent():
+    assert ngram_propose([7, 1, 2, 3, 8, 5, 3, 6, 1, 2, 3], 2) == [8, 5], '3-gram [1,2,3] beats the more recent 1-gram [3]'
+    assert ngram_propose([5, 3, 7, 5, 3, 8, 5, 3], 1) == [8], 'most recent occurrence'
+    assert ngram_propose(list(range(10)) + [0, 1, 2, 3, 4], 3, max_n=2) == [5, 6, 7]
+
+def test_ngram_no_match():
+    assert ngram_propose([1, 2, 3, 4], 5) == []
+    assert ngram_propose([4, 1, 4], 5, min_n=2) == [] and ngram_propose([4, 1, 4], 5) == [1, 4]
+    assert ngram_propose([3], 4) == [] and ngram_propose([], 4) == []
+    assert NgramDrafter().propose([1, 2, 1], None, 3) == [2, 1]
+
+# --- cache rollback
+
+@pytest.mark.parametrize('refeed', ['target', 'mixers'])
+@pytest.mark.parametrize('accepted', [0, 2, 5])
+def test_rollback_equals_fresh_prefill(model, accepted, refeed):
+    "After verifying a block of 8 and keeping accepted+1, decoding on gives the logits of a fresh prefill."
+    ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(accepted)).tolist()
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(torch.tensor([ids[:20]]), cache=cache, use_cache=True)
+        snap = snapshot(cache)
+        o = model(torch.tensor([ids[20:28]]), cache=cache, use_cache=True, output_hidden_states=refeed == 'mixers')
+        rollback(model, cache, snap, ids[20:21 + accepted], o.hidden_states)
+        assert cache.get_seq_length() == 21 + accepted
+        for t in range(21 + accepted, 24 + accepted):                      # decode on, one token at a time
+            got = model(torch.tensor([[ids[t]]]), cache=cache, use_cache=True).logits[0, -1]
+            want = model(torch.tensor([ids[:t + 1]])).logits[0, -1]
+            assert torch.allclose(got, want, atol=1e-4), (t, (got - want).abs().max())
+
+def test_recurrent_mixers_found(tok):
+    m = hybrid(tok)
+    cache = DynamicCache(config=m.config)
+    with torch.no_grad(): m(torch.arange(5)[None], cache=cache, use_cache=True)
+    mixers = recurrent_mixers(m, cache)
+    assert sorted(mixers) == [0, 1, 2] and mixers[0][1] is m.model.layers[0].linear_attn
+    c2 = DynamicCache(config=qwen3(len(tok)).config)
+    assert recurrent_mixers(qwen3(len(tok)), c2) == {}
+
+def test_crop_and_snapshot_kinds(tok):
+    std, hyb = qwen3(len(tok)), hybrid(tok)
+    with torch.no_grad():
+        cs, ch = DynamicCache(config=std.config), DynamicCache(config=hyb.config)
+        std(torch.arange(10)[None], cache=cs, use_cache=True); hyb(torch.arange(10)[None], cache=ch, use_cache=True)
+    assert croppable(cs) and not croppable(ch)
+    assert crop(cs, 6).get_seq_length() == 6
+    with pytest.raises(ValueError, match='cannot crop it to 8'): crop(cs, 8)
+    snap = snapshot(ch)
+    rec = ch.layers[0].recurrent_states[0].clone()
+    with torch.no_grad(): hyb(torch.arange(10, 14)[None], cache=ch, use_cache=True)
+    assert not torch.equal(ch.layers[0].recurrent_states[0], rec) and ch.get_seq_length() == 14
+    restore(ch, snap)
+    assert torch.equal(ch.layers[0].recurrent_states[0], rec) and ch.get_seq_length() == 10
+    restore(ch, snap)                                                       # a snapshot can be used again
+    assert torch.equal(ch.layers[0].recurrent_states[0], rec)
+    with pytest.raises(ValueError, match='recurrent'): rollback(hyb, ch, 10, [1])
+
+# --- lossless decoding
+
+def test_greedy_matches_generate(model, prompts):
+    g = model.generate(torch.tensor([prompts[0]]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert greedy_decode(model, prompts[0], 16) == g[0, len(prompts[0]):].tolist()
+
+def test_oracle_accepts_every_slot(model, prompts):
+    p = prompts[1]
+    ref = greedy_decode(model, p, 40)
+    for B in (4, 16):
+        got, steps = spec_decode(model, Oracle(p, ref), p, 40, block_size=B)
+        assert got == ref
+        assert [a for a, _ in steps[:-1]] == [B - 1] * (len(steps) - 1), 'tau = B but for the last step'
+        assert 1 + sum(a + 1 for a, _ in steps) == 40 and steps[-1][0] == (39 % B or B) - 1
+
+def test_wrong_drafter_commits_one_token_per_step(model, prompts):
+    p = prompts[1]
+    ref = greedy_decode(model, p, 30)
+    got, steps = spec_decode(model, Oracle(p, ref, wrong=True, vocab=model.config.vocab_size), p, 30)
+    assert got == ref and len(steps) == 29 and all(a == 0 for a, _ in steps)
+    assert [n for _, n in steps] == [min(15, 29 - i - 1) for i in range(29)]
+
+def test_ngram_and_dflash_lossless(model, tok, prompts):
+    dm = load_drafter(None, model, block_size=8, mask_token_id=tok.mask_token_id, num_hidden_layers=1)
+    prompts = prompts[:2]
+    ref = greedy_reference(model, prompts, 24, eos_token_id=[])
+    for d in ['ngram', dm]:
+        r = evaluate(model, d, prompts, 24, eos_token_id=[], reference=ref, strict=True)
+        assert r['lossless'] and r['new_tokens'] == 2 * 24 and 1 <= r['tau'] <= r['block_size']
+        assert abs(r['tau'] - 1 - sum(r['accept_hist'])) < 1e-9 and len(r['accept_hist']) == r['block_size'] - 1
+        assert r['tokens_per_s'] > 0 and r['baseline_tokens_per_s'] > 0 and len(r['per_prompt']) == 2
+
+def test_evaluate_many_shares_the_reference(tok, prompts):
+    m = hybrid(tok)
+    ref = greedy_decode(m, prompts[0], 20, [])
+    res = evaluate_many(m, {'oracle': Oracle(prompts[0], ref), 'wrong': Oracle(prompts[0], ref, True, len(tok)), 'ngram': 'ngram'},
+                        prompts[:1], 20, block_size=8, eos_token_id=[], strict=True)
+    assert list(res) == ['oracle', 'wrong', 'ngram'] and all(r['lossless'] for r in res.values())
+    assert res['oracle']['tau'] == 19 / 3 and res['wrong']['tau'] == 1 and res['wrong']['accept_hist'] == [0] * 7
+    assert res['oracle']['accept_hist'] == [1, 1] + [2 / 3] * 5, 'blocks of 8, 8, then the last 3 tokens'
+    assert len({r['baseline_tokens_per_s'] for r in res.values()}) == 1
+    with pytest.raises(ValueError, match='max_new_tokens=20'):
+        evaluate(m, 'ngram', prompts[:1], 24, eos_token_id=[], reference=greedy_reference(m, prompts[:1], 20, eos_token_id=[]))
+
+def test_eos_ends_the_answer(tok, prompts):
+    m = hybrid(tok)
+    ref = greedy_decode(m, prompts[0], 30)
+    eos = ref[5]
+    want = ref[:ref.index(eos) + 1]
+    assert greedy_decode(m, prompts[0], 30, eos) == want
+    for d in [Oracle(prompts[0], ref), NgramDrafter(), Oracle(prompts[0], ref, wrong=True, vocab=len(tok))]:
+        assert spec_decode(m, d, prompts[0], 30, eos)[0] == want
+
+def test_dflash_context_is_the_committed_taps(tok, prompts):
+    "The drafter's cache after decoding equals one built from a fresh target forward over the committed tokens."
+    m = hybrid(tok)
+    dm = load_drafter(None, m, block_size=4, mask_token_id=tok.mask_token_id, num_hidden_layers=2, target_layer_ids=[0, 2])
+    d = DFlashDrafter(dm)
+    p = prompts[0]
+    new, steps = spec_decode(m, d, p, 20, block_size=4)
+    n = len(d.cache)
+    seq = p + new
+    assert len(p) <= n < len(seq)
+    with torch.no_grad():
+        hs = m(torch.tensor([seq[:n]]), output_hidden_states=True).hidden_states
+        taps = torch.cat([hs[k + 1] for k in (0, 2)], -1)
+        want = dm.draft(taps, torch.tensor([seq[n]]), n, dm.new_cache())
+        got = dm.draft(None, torch.tensor([seq[n]]), n, d.cache)
+    assert torch.allclose(got, want, atol=1e-4)
+
+def test_mismatch_is_flagged(tok, prompts):
+    m, other = hybrid(tok), hybrid(tok, seed=1)
+    bad = greedy_reference(other, prompts[:1], 12)
+    with pytest.warns(UserWarning, match='prompt 0'):
+        r = evaluate(m, 'ngram', prompts[:1], 12, reference=bad, warmup=False)
+    assert not r['lossless'] and r['per_prompt'][0]['first_mismatch'] is not None
+    with pytest.raises(AssertionError, match='prompt 0'): evaluate(m, 'ngram', prompts[:1], 12, reference=bad, warmup=False, strict=True)
+
+@pytest.mark.skipif(not (TARGET / 'model.safetensors').exists(), reason='data/tiny-target has no trained weights yet')
+def test_trained_tiny_target_lossless(prompts):
+    m, tok = load_target(TARGET)
+    dm = load_drafter(None, m, mask_token_id=tok.mask_token_id, num_hidden_layers=1)
+    ref = greedy_reference(m, prompts[:2], 32)
+    assert ref['eos_token_id'] == [tok.eos_token_id]
+    for d in ['ngram', dm]:
+        r = evaluate(m, d, prompts[:2], 32, reference=ref, strict=True)
+        assert r['lossless'] and r['new_tokens'] == sum(map(len, ref['outputs']))

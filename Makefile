@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.dflash-installed
 export PYTHONHASHSEED := 0
 # Tiny models on few cores: one intra-op thread per process beats oversubscribed OpenMP spinning.
-TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
 .PHONY: setup demo test test-nbs test-py check-sync readme bench clean-venv
 setup: $(STAMP)

@@ -27,7 +27,7 @@ $(STAMP): settings.ini setup.py Makefile
 
 demo: setup
 	mkdir -p runs/demo
-	$(BIN)/papermill nbs/data.ipynb runs/demo/data.out.ipynb -p out runs/demo/data
+	$(BIN)/papermill nbs/train.ipynb runs/demo/train.out.ipynb -p out runs/demo/train
 
 # The notebooks are the source: dflash/ must be what they export, and they must be clean.
 check-sync: setup

@@ -1,0 +1,152 @@
+"Training: the online pipeline learns, offline matches online, SIGKILL resume is exact, dead ranks end the job, torchrun across 'machines'."
+import json, os, signal, subprocess, sys, time
+from pathlib import Path
+import pytest, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from dflash.synth import DATA
+from dflash.tiny_target import target_config
+from dflash.data import prepare
+from dflash.extract import extract
+from dflash.train import train, read_metrics, latest_checkpoint, diagnose, plot_dashboard, Plan, TrainConfig
+
+CLI = [sys.executable, '-c', 'from dflash.train import train_cli; train_cli()']
+
+@pytest.fixture(scope='module')
+def work(tmp_path_factory):
+    "A random-weight 4-layer hybrid target and a prepared dataset of 200 conversations."
+    d = tmp_path_factory.mktemp('train')
+    tok = AutoTokenizer.from_pretrained(DATA / 'tiny-target')
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(target_config(tok, hidden=64, layers=4)).save_pretrained(d / 'target')
+    tok.save_pretrained(d / 'target')
+    rows = open(DATA / 'sharegpt-train.jsonl').read().splitlines()[:200]
+    (d / 'train.jsonl').write_text('\n'.join(rows) + '\n')
+    prepare(d / 'train.jsonl', d / 'target', d / 'dataset')
+    return d
+
+def kw(work, **over):
+    base = dict(target=str(work / 'target'), data=str(work / 'dataset'), max_samples=120, token_budget=512, num_anchors=16,
+                lr=1e-2, warmup=0, log_every=1, ckpt_every=0, final_eval=False, progress=False, dead_after_s=10)
+    return {**base, **over}
+
+def losses(out): return {m['step']: m['loss'] for m in read_metrics(out) if 'loss' in m}
+
+def test_plan_is_independent_of_targets():
+    "A drafter's micro-batch stream depends on the data, budget, drafters and seed only; drafters get equal counts."
+    L = torch.randint(10, 300, (500,)).numpy()
+    p = Plan(L, 2048, 64, drafters=3, seed=1, epochs=2)
+    assert len({len(b) for b in p.epoch(0)}) == 1 and p.total_steps == 2 * p.per_epoch
+    assert [p.batch(2, k) for k in range(p.total_micro)][:p.per_epoch] == p.epoch(0)[2]
+
+def test_online_2x1_learns(work, tmp_path):
+    "2 target ranks + 1 drafter rank on gloo (the embedded trained target): the loss falls; metrics, checkpoints and the final drafter are written."
+    out = tmp_path / 'run'
+    r = train(**kw(work, out=str(out), target=str(DATA / 'tiny-target'), targets=2, drafters=1, max_steps=16, ckpt_every=5, keep=2,
+                   q_depth=3, lr=3e-3))
+    ls = losses(out)
+    assert sorted(ls) == list(range(1, 17)) and r['step'] == 16
+    first, last = sum(ls[k] for k in (1, 2, 3)) / 3, sum(ls[k] for k in (14, 15, 16)) / 3
+    assert last < first - 1.0, (first, last)
+    m = [m for m in read_metrics(out) if 'loss' in m][-1]
+    for k in ('step', 'loss', 'acc', 'lr', 'tokens_per_s', 'q_hs', 'target_batches_per_s', 'drafter_batches_per_s', 'eta_s', 'peak_mem_bytes'):
+        assert k in m, k
+    assert len(m['acc']) == 15 and max(x['q_hs'] for x in read_metrics(out) if 'q_hs' in x) <= 2 * 3   # 2 targets x q_depth 3
+    ck = sorted(p.name for p in (out / 'checkpoints').iterdir())
+    assert ck == ['step-15', 'step-16'] and latest_checkpoint(out).name == 'step-16'       # every 5 and at the end; keep=2
+    cfg = json.loads((out / 'drafter/config.json').read_text())
+    assert cfg['architectures'] == ['DFlashDraftModel'] and cfg['dflash_config']['target_layer_ids'] == [4]
+    assert (out / 'checkpoints/step-16/trainer.pt').exists() and (out / 'checkpoints/step-16/model.safetensors').exists()
+    assert diagnose(out).split(';')[0].endswith('Ktok/s')
+    plot_dashboard(out)
+    assert all((out / f'{n}.png').exists() for n in ('loss', 'accuracy', 'throughput', 'queue', 'dashboard'))
+
+@pytest.fixture(scope='module')
+def extracted(work, tmp_path_factory):
+    x = tmp_path_factory.mktemp('x')
+    extract(target=work / 'target', data=work / 'dataset', out=x, max_samples=120, layer_ids=[2], token_budget=512, progress=False)
+    return x
+
+def test_offline_matches_online(work, extracted, tmp_path):
+    "The same batches and seed: the first step's loss offline (from an extraction) equals the online pipeline's."
+    train(**kw(work, out=str(tmp_path / 'on'), targets=1, drafters=1, max_steps=2))
+    train(**kw(work, out=str(tmp_path / 'off'), extracted=str(extracted), drafters=1, max_steps=2))
+    on, off = losses(tmp_path / 'on'), losses(tmp_path / 'off')
+    assert abs(on[1] - off[1]) < 1e-4 and abs(on[2] - off[2]) < 1e-3, (on, off)
+
+def cli_args(**a): return [f'--{k}={v}' for k, v in a.items()]
+
+def test_sigkill_resume_is_exact(work, extracted, tmp_path):
+    "A run killed with SIGKILL resumes from its last complete checkpoint; its next losses equal an uninterrupted run's."
+    args = kw(work, extracted=str(extracted), drafters=1, max_steps=40, ckpt_every=3, keep=1, threads=1, epochs=1)
+    ref = tmp_path / 'ref'
+    train(out=str(ref), **args)
+    out = tmp_path / 'killed'
+    a = {k: v for k, v in args.items() if k not in ('progress',)}
+    p = subprocess.Popen(CLI + cli_args(out=out, **a), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while latest_checkpoint(out) is None and p.poll() is None and time.time() - t0 < 120: time.sleep(0.05)
+    p.send_signal(signal.SIGKILL); p.wait()
+    ck = latest_checkpoint(out)
+    assert ck is not None and int(ck.name.split('-')[1]) < 39
+    k = int(ck.name.split('-')[1])
+    n_before = len(read_metrics(out))
+    train(out=str(out), resume=True, **args)
+    after = [m for m in read_metrics(out)[n_before:] if 'loss' in m]
+    assert after[0]['step'] == k + 1 and after[-1]['step'] == 40
+    want = losses(ref)
+    for m in after: assert abs(m['loss'] - want[m['step']]) < 1e-5, (m['step'], m['loss'], want[m['step']])
+
+def test_dead_rank_ends_job(work, tmp_path):
+    "SIGKILL one target rank mid-run: every other rank exits non-zero on its own within 60 s, and the error names the rank."
+    out = tmp_path / 'run'
+    code = f"from dflash.train import train; train(**{kw(work, out=str(out), targets=2, drafters=1, max_steps=100000, epochs=100)!r})"
+    p = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t0 = time.time()
+    while len(read_metrics(out)) < 2 and p.poll() is None and time.time() - t0 < 180: time.sleep(0.2)
+    assert p.poll() is None, p.stdout.read()
+    pids = json.loads((out / 'pids.json').read_text())
+    os.kill(pids['1'], signal.SIGKILL); t_kill = time.time()
+    text, _ = p.communicate(timeout=90)
+    assert p.returncode != 0 and time.time() - t_kill < 60
+    assert 'rank 1 (target 1) exited with code -9' in text, text[-3000:]
+    assert 'rank 0 exit 1' in text and 'rank 2 exit 1' in text, text[-3000:]      # their own watchdogs, not the launcher's kill
+    for r in ('0', '2'):
+        log = (out / f'logs/rank-{r}.log').read_text()
+        assert 'rank 1 (target 1)' in log, log[-2000:]
+
+def test_sigterm_saves(work, tmp_path):
+    "SIGTERM on the drafter rank: it saves a checkpoint at the step it reached, and the job ends cleanly."
+    out = tmp_path / 'run'
+    code = f"from dflash.train import train; import json; print(json.dumps(train(**{kw(work, out=str(out), targets=1, drafters=1, max_steps=100000, epochs=100)!r})))"
+    p = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t0 = time.time()
+    while len(read_metrics(out)) < 2 and p.poll() is None and time.time() - t0 < 180: time.sleep(0.2)
+    os.kill(json.loads((out / 'pids.json').read_text())['1'], signal.SIGTERM)
+    text, _ = p.communicate(timeout=90)
+    assert p.returncode == 0, text[-3000:]
+    res = json.loads(text.strip().splitlines()[-1])
+    assert res['stopped'] == 'signal' and latest_checkpoint(out).name == f"step-{res['step']}"
+
+@pytest.mark.slow
+def test_torchrun_two_nodes(work, tmp_path):
+    "Two torchrun 'machines' on localhost (one rendezvous): a target on one, a drafter on the other, training together."
+    import socket
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+    out = tmp_path / 'run'
+    a = cli_args(**kw(work, out=out, targets=1, drafters=1, max_steps=4))
+    procs = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nnodes', '2', '--node-rank', str(n), '--nproc-per-node', '1',
+                               '--rdzv-backend', 'c10d', '--rdzv-endpoint', f'127.0.0.1:{port}', '--rdzv-id', 'dflash-test',
+                               '--no-python', *CLI, *a],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    texts = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), '\n'.join(t[-2000:] for t in texts)
+    assert sorted(losses(out)) == [1, 2, 3, 4] and (out / 'drafter/model.safetensors').exists()
+
+@pytest.mark.slow
+def test_ddp_2x2_grad_accum(work, tmp_path):
+    "2 target ranks + 2 drafter ranks (DDP, gradient accumulation 2): both drafters take the same steps and the loss falls."
+    out = tmp_path / 'run'
+    r = train(**kw(work, out=str(out), targets=2, drafters=2, grad_accum=2, max_steps=6, ckpt_every=3))
+    ls = losses(out)
+    assert r['step'] == 6 and sorted(ls) == list(range(1, 7)) and ls[6] < ls[1]
+    assert json.loads((out / 'checkpoints/step-6/COMPLETE').read_text())['step'] == 6

@@ -9,7 +9,7 @@ __all__ = ['HEADER', 'TrainConfig', 'lr_factor', 'Plan', 'sources', 'collate', '
            'run_drafter', 'free_port', 'read_metrics', 'launch', 'prepare_job', 'train', 'train_cli', 'plot_dashboard',
            'diagnose']
 
-# %% ../nbs/train.ipynb #4e824825
+# %% ../nbs/train.ipynb #5716a4d9
 import argparse, json, math, os, queue, shutil, signal, socket, subprocess, sys, tempfile, threading, time, traceback
 from collections import deque
 from dataclasses import dataclass, asdict, field, fields
@@ -27,7 +27,7 @@ from .extract import capture, pad_batch, ExtractedDataset, prepared_dataset, pea
 from .extract import load_target as load_target_model
 from .model import DFlashDraftModel, drafter_config, default_layer_ids, load_target_io
 
-# %% ../nbs/train.ipynb #04c069a1
+# %% ../nbs/train.ipynb #b9ad1168
 @dataclass
 class TrainConfig:
     "Every parameter of a training job (see `train`)."
@@ -82,7 +82,7 @@ class TrainConfig:
         if self.grad_accum < 1 or self.q_depth < 1: raise ValueError('grad_accum and q_depth must be >= 1')
         return self
 
-# %% ../nbs/train.ipynb #09bb7062
+# %% ../nbs/train.ipynb #cf231419
 def lr_factor(step, total, warmup, min_ratio=0.1):
     "Multiplier of the peak learning rate at optimizer step `step` (0-based) of `total`."
     w = int(warmup * total) if warmup < 1 else int(warmup)
@@ -90,7 +90,7 @@ def lr_factor(step, total, warmup, min_ratio=0.1):
     t = (step - w) / max(1, total - w)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
 
-# %% ../nbs/train.ipynb #f6f87d50
+# %% ../nbs/train.ipynb #2e07b864
 class Plan:
     "Token-budget batches of `lengths`, reshuffled each epoch, split evenly across `drafters`."
     def __init__(self, lengths, token_budget, max_batch_size, drafters, seed, grad_accum=1, epochs=1.0, max_steps=None):
@@ -123,7 +123,7 @@ def sources(d, targets, drafters):
     "Target ranks feeding drafter `d`."
     return [t for t in range(targets) if t % drafters == d]
 
-# %% ../nbs/train.ipynb #ebc9b854
+# %% ../nbs/train.ipynb #a7498b9e
 def collate(hs_rows, input_ids, loss_mask, lengths):
     "Padded `(hidden_states [b, S, F], input_ids [b, S], loss_mask [b, S])` from flat real-token rows [sum(lengths), F]."
     lengths = torch.as_tensor(lengths)
@@ -134,7 +134,7 @@ def collate(hs_rows, input_ids, loss_mask, lengths):
     lm = torch.zeros(b, S, dtype=torch.long); lm[real] = torch.as_tensor(loss_mask).long()
     return hs, ids, lm
 
-# %% ../nbs/train.ipynb #afe732d2
+# %% ../nbs/train.ipynb #dc5bca51
 class LocalStore:
     "The part of the `TCPStore` API the trainer uses, in memory (single-process runs)."
     def __init__(self): self.d = {}
@@ -142,6 +142,15 @@ class LocalStore:
     def set(self, k, v): self.d[k] = v if isinstance(v, bytes) else str(v).encode()
     def get(self, k): return self.d[k]
     def check(self, keys): return all(k in self.d for k in keys)
+
+def _peer_lost(e):
+    "Does `e` (or what caused it) look like a connection to another rank breaking?"
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (ConnectionError, dist.DistError)) or any(w in str(e) for w in ('Connection reset', 'Connection closed', 'Broken pipe', 'gloo')): return True
+        e = e.__cause__ or e.__context__
+    return False
 
 class Coord:
     "Store-backed coordination of one rank: counters, flags, role names, a watchdog."
@@ -184,6 +193,11 @@ class Coord:
         try: self.set(f'failed/{self.rank}', msg[-2000:])
         except Exception: pass
 
+    def await_dead_peer(self, period=1.0):
+        "After a communication error: give the watchdog time to find (and name) a peer that stopped heartbeating."
+        deadline = time.monotonic() + self.dead_after_s + 3 * period
+        while time.monotonic() < deadline and not self._stop_thread.is_set(): time.sleep(period)
+
     def _die(self, msg):
         print(f'dflash_train {self.name(self.rank)}: {msg}; ending this rank', file=sys.stderr, flush=True)
         os._exit(1)
@@ -204,7 +218,7 @@ class Coord:
                 if self._stop_thread.is_set(): return
                 self._die(f'lost the job store ({type(e).__name__}: {e}): the launcher or the store host died')
 
-# %% ../nbs/train.ipynb #dfd1dcba
+# %% ../nbs/train.ipynb #d0c6633b
 _WIRE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEADER = 6   # micro index, batch size, max length, real tokens, features, dtype code
 
@@ -230,7 +244,7 @@ def recv_batch(src, device):
     hs = rows.new_zeros(b, S, F); hs[real] = rows
     return p, hs, ints[0], ints[1], lengths
 
-# %% ../nbs/train.ipynb #0de6a73e
+# %% ../nbs/train.ipynb #e755c887
 def run_target(cfg, coord, t, plan, ds, device):
     "Target rank `t`: capture its share of the plan and stream it to its drafter through the credit window."
     model = load_target_model(cfg.target, parse_dtype(cfg.dtype, device.type == 'cuda'), device)
@@ -264,7 +278,7 @@ def run_target(cfg, coord, t, plan, ds, device):
     coord.set(f'tstat/{t}', dict(batches=sent, wait_s=wait_s, fwd_s=fwd_s, time_s=time.perf_counter() - t0, mem=peak_mem_bytes(device)))
     coord.wait_until(lambda: coord.count(f'credit/{t}') >= sent or coord.stopping(), 'last credits')
 
-# %% ../nbs/train.ipynb #93941d32
+# %% ../nbs/train.ipynb #6f1b56ec
 class _Source:
     "A background thread filling a queue; `get()` returns the next item and accumulates the wait time."
     def __init__(self, maxsize=0):
@@ -313,7 +327,7 @@ class OfflineSource(_Source):
             if self.device.type == 'cuda': hs, ids, lm = (x.pin_memory().to(self.device, non_blocking=True) for x in (hs, ids, lm))
             self.q.put(dict(p=p, hidden_states=hs, input_ids=ids, loss_mask=lm, tokens=sum(lengths), src=None))
 
-# %% ../nbs/train.ipynb #9e76cf0a
+# %% ../nbs/train.ipynb #320b32f9
 def latest_checkpoint(out):
     "The newest complete `checkpoints/step-N` in `out`, or None."
     done = [p for p in (Path(out) / 'checkpoints').glob('step-*') if (p / 'COMPLETE').exists()]
@@ -338,7 +352,7 @@ def save_checkpoint(out, step, model, state, keep=2):
     for p in done[:-keep] if keep else []: shutil.rmtree(p, ignore_errors=True)
     return final
 
-# %% ../nbs/train.ipynb #f25399f7
+# %% ../nbs/train.ipynb #4166b711
 def anchor_generator(seed, d, p):
     "The anchor generator of micro-batch `p` on drafter `d`."
     return torch.Generator().manual_seed((seed * 1_000_003 + d) * 1_000_003 + p)
@@ -359,7 +373,7 @@ def progress_line(m, total_steps=None):
             + f"drf {m['drafter_batches_per_s']:.1f} b/s"
             f" | loss {m['loss']:.3f} | acc% {acc} | lr {m['lr']:.1e} | ETA {fmt_time(m['eta_s'])}{tau} | mem {mem}")
 
-# %% ../nbs/train.ipynb #76539382
+# %% ../nbs/train.ipynb #11a29f2b
 class Trainer:
     "The training loop of drafter rank `d` (of `cfg.drafters`), fed by `source`."
     def __init__(self, cfg, coord, d, plan, device, group=None, eval_target=None, tok=None):
@@ -508,7 +522,7 @@ def _mask_token_id(target):
     if tok.mask_token_id is None: raise ValueError(f'{target}: the tokenizer has no mask token; DFlash needs one (add <|mask|> or similar)')
     return tok.mask_token_id
 
-# %% ../nbs/train.ipynb #9d426567
+# %% ../nbs/train.ipynb #ce169dce
 def roles(cfg):
     "Role name of every rank."
     T = cfg.targets if cfg.online else 0
@@ -570,6 +584,7 @@ def run_rank(cfg, rank=0, world=1, local_rank=0, store=None):
         coord.finished()
         return result
     except BaseException as e:
+        if _peer_lost(e): coord.await_dead_peer()   # name the rank that died, not the broken socket it left
         coord.failed(f'{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}')
         raise
     finally:
@@ -609,7 +624,7 @@ def run_drafter(cfg, coord, d, plan, ds, device, group, stop):
     if d == 0: (Path(cfg.out) / 'result.json').write_text(json.dumps(res))
     return res
 
-# %% ../nbs/train.ipynb #bdf3a81f
+# %% ../nbs/train.ipynb #c0d99e39
 def free_port():
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
@@ -676,7 +691,7 @@ def launch(cfg, env=None, grace_s=None):
                            f'--- {logs / f"rank-{r}.log"} (tail) ---\n{_tail(logs / f"rank-{r}.log")}')
     return json.loads((out / 'result.json').read_text()) if (out / 'result.json').exists() else None
 
-# %% ../nbs/train.ipynb #4c7c858b
+# %% ../nbs/train.ipynb #8b10aa0b
 def prepare_job(cfg):
     "Resolve paths and prepare the tokenized dataset (online); returns the config the ranks run."
     cfg = TrainConfig(**{**asdict(cfg)}).check()
@@ -697,7 +712,7 @@ def train(**kw):
     if res is not None: res['seconds'] = time.time() - t0
     return res
 
-# %% ../nbs/train.ipynb #db65ce22
+# %% ../nbs/train.ipynb #a2995af5
 def _arg_type(f):
     if f.type in (int, 'int'): return int
     if f.type in (float, 'float'): return float
@@ -736,7 +751,7 @@ def train_cli(argv=None):
     if res: print(json.dumps({k: v for k, v in res.items() if k != 'accept_hist'}), flush=True)
     sys.stdout.flush(); os._exit(0)   # skip interpreter teardown (threads, process groups)
 
-# %% ../nbs/train.ipynb #da875bd5
+# %% ../nbs/train.ipynb #3a47cb8c
 def _train_records(out):
     return [m for m in read_metrics(out) if 'loss' in m]
 
@@ -779,7 +794,7 @@ def plot_dashboard(out, save=True):
     plt.close(fig)
     return fig
 
-# %% ../nbs/train.ipynb #adf20240
+# %% ../nbs/train.ipynb #4f921c9f
 def diagnose(out, idle=0.15):
     "One paragraph: target-bound, drafter-bound or balanced, from the queue depth and each side's idle time, and what to change."
     recs = _train_records(out)

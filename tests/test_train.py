@@ -96,13 +96,18 @@ def test_sigkill_resume_is_exact(work, extracted, tmp_path):
     want = losses(ref)
     for m in after: assert abs(m['loss'] - want[m['step']]) < 1e-5, (m['step'], m['loss'], want[m['step']])
 
-def test_dead_rank_ends_job(work, tmp_path):
-    "SIGKILL one target rank mid-run: every other rank exits non-zero on its own within 60 s, and the error names the rank."
-    out = tmp_path / 'run'
-    code = f"from dflash.train import train; train(**{kw(work, out=str(out), targets=2, drafters=1, max_steps=100000, epochs=100)!r})"
+def start_long_job(work, out, targets):
+    "Start a job that would run for ages (1 drafter) in a subprocess printing its result as JSON; return once it logs."
+    code = f"from dflash.train import train; import json; print(json.dumps(train(**{kw(work, out=str(out), targets=targets, drafters=1, max_steps=100000, epochs=100)!r})))"
     p = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     t0 = time.time()
     while len(read_metrics(out)) < 2 and p.poll() is None and time.time() - t0 < 180: time.sleep(0.2)
+    return p
+
+def test_dead_rank_ends_job(work, tmp_path):
+    "SIGKILL one target rank mid-run: every other rank exits non-zero on its own within 60 s, and the error names the rank."
+    out = tmp_path / 'run'
+    p = start_long_job(work, out, targets=2)
     assert p.poll() is None, p.stdout.read()
     pids = json.loads((out / 'pids.json').read_text())
     os.kill(pids['1'], signal.SIGKILL); t_kill = time.time()
@@ -117,10 +122,7 @@ def test_dead_rank_ends_job(work, tmp_path):
 def test_sigterm_saves(work, tmp_path):
     "SIGTERM on the drafter rank: it saves a checkpoint at the step it reached, and the job ends cleanly."
     out = tmp_path / 'run'
-    code = f"from dflash.train import train; import json; print(json.dumps(train(**{kw(work, out=str(out), targets=1, drafters=1, max_steps=100000, epochs=100)!r})))"
-    p = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    t0 = time.time()
-    while len(read_metrics(out)) < 2 and p.poll() is None and time.time() - t0 < 180: time.sleep(0.2)
+    p = start_long_job(work, out, targets=1)
     os.kill(json.loads((out / 'pids.json').read_text())['1'], signal.SIGTERM)
     text, _ = p.communicate(timeout=90)
     assert p.returncode == 0, text[-3000:]

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['DEFAULT_TOKEN_BUDGET', 'DEFAULT_MAX_BATCH_SIZE', 'padded_tokens', 'token_budget_batches', 'shuffle_batches',
-           'split_batches', 'worker_loads', 'load_ratio', 'batch_stats', 'plot_batch_sizes']
+           'split_batches', 'worker_loads', 'load_ratio', 'batch_stats', 'plot_batch_sizes', 'Plan', 'sources']
 
 # %% ../nbs/batching.ipynb #041439ea
 import heapq, warnings
@@ -32,7 +32,7 @@ def padded_tokens(batch, lengths):
     return len(batch) * int(max(lengths[i] for i in batch)) if len(batch) else 0
 
 # %% ../nbs/batching.ipynb #95f545e0
-def token_budget_batches(lengths, token_budget, max_batch_size=None):
+def token_budget_batches(lengths, token_budget, max_batch_size=None, warn=True):
     "Sample indices packed into batches of at most `token_budget` padded tokens and `max_batch_size` samples, shortest first."
     L = _lengths(lengths)
     if token_budget < 1: raise ValueError(f'token_budget must be >= 1, got {token_budget}')
@@ -42,7 +42,7 @@ def token_budget_batches(lengths, token_budget, max_batch_size=None):
     for i in np.argsort(L, kind='stable').tolist():
         n = int(L[i])
         if n > token_budget:
-            warnings.warn(f'sample {i} has {n} tokens, more than token_budget={token_budget}: it gets a batch of its own', stacklevel=2)
+            if warn: warnings.warn(f'sample {i} has {n} tokens, more than token_budget={token_budget}: it gets a batch of its own', stacklevel=2)
             if cur: batches.append(cur); cur = []
             batches.append([i]); continue
         if cur and (len(cur) == cap or (len(cur) + 1) * n > token_budget): batches.append(cur); cur = []
@@ -99,3 +99,33 @@ def plot_batch_sizes(batches, bins=30, ax=None, title=None):
     if sizes: ax.axvline(np.mean(sizes), color='C1', ls='--', label=f'mean {np.mean(sizes):.1f}'); ax.legend()
     ax.set(xlabel='batch size (samples)', ylabel='batches', title=title or f'{len(sizes)} batches')
     return ax.figure
+
+# %% ../nbs/batching.ipynb #62a1eaab
+class Plan:
+    "Token-budget batches of `lengths`, reshuffled each epoch, split evenly across `drafters` ranks."
+    def __init__(self, lengths, token_budget, max_batch_size, drafters, seed, grad_accum=1, epochs=1.0, max_steps=None):
+        self.batches = token_budget_batches(np.asarray(lengths), token_budget, max_batch_size, warn=False)
+        self.lengths, self.drafters, self.seed, self.grad_accum = np.asarray(lengths), drafters, seed, grad_accum
+        self.per_epoch = len(self.batches) // drafters              # micro-batches per drafter per epoch
+        if self.per_epoch < 1: raise ValueError(f'{len(self.batches)} batches for {drafters} drafter ranks: lower token_budget or add data')
+        self.steps_per_epoch = self.per_epoch / grad_accum
+        self.total_steps = int(max_steps) if max_steps else max(1, int(epochs * self.per_epoch) // grad_accum)
+        self.total_micro = self.total_steps * grad_accum
+        self._epoch = {}
+
+    def epoch(self, e):
+        "Per-drafter batch lists of epoch `e`."
+        if e not in self._epoch:
+            order = shuffle_batches(self.batches, self.seed, e)
+            self._epoch = {e: [order[d::self.drafters][:self.per_epoch] for d in range(self.drafters)]}
+        return self._epoch[e]
+
+    def batch(self, d, p):
+        "Sample indices of micro-batch `p` of drafter `d`."
+        return self.epoch(p // self.per_epoch)[d][p % self.per_epoch]
+
+    def tokens(self, batch): return int(self.lengths[batch].sum())
+
+def sources(d, targets, drafters):
+    "Target ranks feeding drafter `d`."
+    return [t for t in range(targets) if t % drafters == d]

@@ -32,7 +32,8 @@ def run_method(method, a):
     import numpy as np, torch
     from dflash.data import TokenizedDataset
     from dflash.batching import token_budget_batches, batch_stats, DEFAULT_TOKEN_BUDGET, DEFAULT_MAX_BATCH_SIZE
-    from dflash.extract import extract, load_target, default_layer_ids, decoder_layers, tap_layers, pad_batch, StopForward
+    from dflash.taps import load_target, default_layer_ids, decoder_layers, tap_layers, pad_batch, StopForward
+    from dflash.extract import extract
     cuda = torch.cuda.is_available() and not a.cpu
     dev = torch.device('cuda' if cuda else 'cpu')
     ds = TokenizedDataset.load(a.dataset)
@@ -104,11 +105,11 @@ def main():
     if a.method:   # child process
         print('RESULT ' + json.dumps(run_method(a.method, a)), flush=True); return
     import numpy as np
-    from dflash.extract import prepared_dataset
+    from dflash.data import prepared
     from dflash.data import TokenizedDataset
     from dflash.batching import token_budget_batches, batch_stats, DEFAULT_TOKEN_BUDGET, DEFAULT_MAX_BATCH_SIZE
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    a.dataset = str(prepared_dataset(a.data, a.target, a.out))
+    a.dataset = str(prepared(a.data, a.target, a.out))
     L = TokenizedDataset.load(a.dataset).lengths
     full = batch_stats(token_budget_batches(L, DEFAULT_TOKEN_BUDGET, DEFAULT_MAX_BATCH_SIZE), L)['padding_efficiency']
     results = {}

@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['ROOT', 'DATA', 'TINY_TARGET', 'TRAIN_DATA', 'HELDOUT_DATA', 'RUNS', 'write_json_atomic', 'read_jsonl', 'append_jsonl',
-           'read_metrics', 'file_sha256', 'Feeder', 'param', 'check_param', 'Job', 'job_parser', 'run_cli']
+           'read_metrics', 'file_sha256', 'Feeder', 'param', 'target_param', 'data_param', 'out_param', 'check_param',
+           'Job', 'job_parser', 'run_cli']
 
 # %% ../nbs/core.ipynb #d0542ba4
 import argparse, hashlib, json, os, queue, sys, tempfile, threading, time, traceback, types, typing
@@ -86,6 +87,18 @@ class Feeder:
 def param(default=None, help='', *, min=None, max=None, choices=None):
     "A job parameter: a dataclass field with its `default`, `help` text and allowed values (`min`, `max`, `choices`)."
     return field(default=default, metadata=dict(help=help, min=min, max=max, choices=choices))
+
+def target_param():
+    "The `target` parameter every job has."
+    return param(None, 'the target: a local directory or a hub id (from the local cache when HF_HUB_OFFLINE=1); None: the embedded target')
+
+def data_param():
+    "The `data` parameter of the jobs that read conversations: a file, or a dataset `prepare` made."
+    return param(None, 'ShareGPT JSON/JSONL file (tokenized once into out/dataset), or a prepared dataset directory; None: the embedded train split')
+
+def out_param(job, what):
+    "The `out` parameter of `job`: a directory of `what`."
+    return param(None, f'output directory: {what}; None: runs/{job}')
 
 def _kinds(tp):
     "The plain types an annotation admits: `int | None` -> (int, NoneType); `list[int]` -> (list,)."

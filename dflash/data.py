@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, run_cli, write_json_atomic, file_sha256
-from .taps import load_tokenizer, load_target, target_name
+from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, out_param, run_cli, write_json_atomic, file_sha256
+from .taps import load_tokenizer, load_target, target_name, tokenizer_sha256
 
 # %% ../nbs/data.ipynb #71bb31c6
 class DataError(ValueError):
@@ -283,8 +283,8 @@ TokenizedDataset.stats, TokenizedDataset.plot_lengths, TokenizedDataset.fingerpr
 class PrepareConfig(Job):
     "Validate ShareGPT rows and tokenize them with a target's chat template, the loss on the assistant's tokens only."
     data: str | None = param(None, 'ShareGPT JSON array or JSONL file; None: the embedded train split')
-    target: str | None = param(None, 'the target (directory or hub id) whose tokenizer and chat template are used; None: the embedded target')
-    out: str | None = param(None, 'output directory of the dataset and report.json; None: runs/data')
+    target: str | None = target_param()
+    out: str | None = out_param('data', 'the tokenized dataset and report.json')
     max_length: int = param(2048, 'truncate conversations to this many tokens', min=2)
     min_loss_tokens: int = param(1, 'drop samples with fewer trainable tokens than this', min=0)
     strict: bool = param(False, 'stop with a list of the bad rows instead of skipping them')
@@ -327,7 +327,8 @@ def prepare(*args, tokenizer=None, **kw):
     if job.strict and bad_template: fail(problems + tprobs, 'conversations', len(convs))
     check(problems + bad_template, False, rows)
     meta = dict(source=report['file'], tokenizer=report['target'], max_length=job.max_length, min_loss_tokens=job.min_loss_tokens,
-                chat_template_sha256=hashlib.sha256(str(tok.chat_template).encode()).hexdigest(), truncated=n_trunc)
+                chat_template_sha256=hashlib.sha256(str(tok.chat_template).encode()).hexdigest(), tokenizer_sha256=tokenizer_sha256(tok),
+                truncated=n_trunc)
     new = out.with_name(f'.{out.name}.new-{os.getpid()}'); shutil.rmtree(new, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
-from .core import TINY_TARGET, HELDOUT_DATA, RUNS, Job, param, run_cli, write_json_atomic
+from .core import TINY_TARGET, HELDOUT_DATA, RUNS, Job, param, target_param, out_param, run_cli, write_json_atomic
 from .taps import tap_layers, tapped, load_target, load_tokenizer, target_name
 from .data import BadRow, DataError, load_conversations, prompt_of
 from .model import DFlashDraftModel
@@ -291,12 +291,12 @@ def plot_results(res, path=None):
 @dataclass
 class EvalConfig(Job):
     "Measure a drafter's acceptance length tau with lossless speculative decoding, against the n-gram baseline."
-    target: str | None = param(None, 'the target: a local directory or a hub id; None: the embedded target')
+    target: str | None = target_param()
     drafter: str | None = param(None, 'a DFlash drafter checkpoint directory; None: the n-gram baseline alone')
     eval_data: str | None = param(None, 'prompt files, comma-separated (any format prepare reads); None: the held-out split')
     num_prompts: int | None = param(8, 'prompts per file; None: all', min=1)
     max_new_tokens: int = param(64, 'tokens decoded per prompt', min=1)
-    out: str | None = param(None, 'results.json and plots; None: runs/evaluate')
+    out: str | None = out_param('evaluate', 'results.json and plots')
     dtype: str | None = param(None, "the target's dtype: bf16, fp16 or fp32; None: bf16 on GPU, fp32 on CPU", choices=('bf16', 'fp16', 'fp32'))
 
     def check(self):

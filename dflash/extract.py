@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, run_cli, append_jsonl, read_metrics
+from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, data_param, out_param, run_cli, append_jsonl, read_metrics
 from .taps import (capture, pad_batch, text_config, check_layer_ids, default_layer_ids, parse_dtype, dtype_name, peak_mem_bytes,
                          load_target, load_target_config, target_name, config_sha256)
 from .data import TokenizedDataset, prepared
@@ -248,9 +248,9 @@ _STORE = ('bf16', 'bfloat16', 'fp16', 'float16', 'fp32', 'float32', 'fp8')
 @dataclass
 class ExtractConfig(Job):
     "Extract a target's tapped hidden states over tokenized conversations into resumable safetensors shards."
-    target: str | None = param(None, 'the target: a local directory or a hub id; None: the embedded target')
-    data: str | None = param(None, 'ShareGPT JSON/JSONL file (prepared into out/dataset) or a prepared dataset directory; None: the embedded train split')
-    out: str | None = param(None, 'output directory: shards, manifest.json, metrics.jsonl; None: runs/extract')
+    target: str | None = target_param()
+    data: str | None = data_param()
+    out: str | None = out_param('extract', 'shards, manifest.json, metrics.jsonl')
     gpus: int = param(0, '0: one CPU worker; N: one worker process per GPU', min=0)
     token_budget: int | str = param('auto', "padded tokens per batch, or 'auto' (probe the GPU's memory; CPU: 8192)", min=1)
     max_batch_size: int = param(DEFAULT_MAX_BATCH_SIZE, 'samples per batch at most', min=1)
@@ -284,7 +284,8 @@ def _header(job, config, ds, dt, store):
     tc = text_config(config)
     return dict(target=target_name(job.target), target_config_sha256=config_sha256(config), layer_ids=job.layer_ids,
                 dtype='float8_e4m3fn' if store == 'fp8' else store or dtype_name(dt), compute_dtype=dtype_name(dt),
-                dataset_sha256=ds.fingerprint(), num_target_layers=tc.num_hidden_layers, hidden_size=tc.hidden_size, dataset=str(ds.path))
+                dataset_sha256=ds.fingerprint(), tokenizer_sha256=ds.meta.get('tokenizer_sha256'), num_target_layers=tc.num_hidden_layers,
+                hidden_size=tc.hidden_size, dataset=str(ds.path))
 
 def extract(*args, model=None, **kw):
     "Extract the tapped hidden states of a target over a dataset into safetensors shards (see `ExtractConfig`); resumable. Returns a summary."

@@ -6,7 +6,7 @@
 __all__ = ['LAYER_PATHS', 'DTYPES', 'default_layer_ids', 'check_layer_ids', 'text_config', 'decoder_layers', 'StopForward',
            'tap_layers', 'tapped', 'capture', 'pad_batch', 'parse_dtype', 'dtype_name', 'peak_mem_bytes',
            'resolve_target', 'target_name', 'load_tokenizer', 'load_target', 'load_target_config', 'load_target_io',
-           'config_sha256']
+           'tokenizer_sha256', 'config_sha256']
 
 # %% ../nbs/taps.ipynb #05c80b55
 import hashlib, importlib.util, json, os, resource
@@ -209,6 +209,12 @@ def load_target_io(target, dtype=None, device=None):
     head = nn.Linear(W.shape[1], W.shape[0], bias=False, device=W.device, dtype=W.dtype).requires_grad_(False)
     head.weight.data = W
     return embed, head
+
+def tokenizer_sha256(tok):
+    "sha256 of a tokenizer's vocabulary (the id of every token) and chat template: which text each token id stands for."
+    h = hashlib.sha256(json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False).encode())
+    h.update(str(getattr(tok, 'chat_template', None)).encode())
+    return h.hexdigest()
 
 def config_sha256(config):
     "sha256 of a HF config's content, without the fields that vary between loads (dtype, paths, versions)."

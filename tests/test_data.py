@@ -2,11 +2,11 @@
 import json, subprocess, sys
 from pathlib import Path
 import numpy as np, pytest, torch
-from transformers import AutoTokenizer, AutoModelForCausalLM
+from transformers import AutoTokenizer
+from dflash.core import TINY_TARGET, HELDOUT_DATA
+from dflash.taps import target_name
 from dflash.data import (DataError, LLAMA3_TEMPLATE, TokenizedDataset, encode, load_conversations, prepare, read_rows,
                          regenerate)
-from dflash.synth import DATA
-from dflash.tiny_target import TARGET_DIR, target_config
 
 FIX = Path(__file__).parent / 'fixtures' / 'data'
 # fixture, the bad row, its reason (every fixture has valid rows 1 and 3 around it)
@@ -19,13 +19,9 @@ CONV = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 
 
 
 @pytest.fixture(scope='module')
-def tok(): return AutoTokenizer.from_pretrained(TARGET_DIR)
-
-
-@pytest.fixture(scope='module')
 def llama_tok():
     "The tiny tokenizer with Llama 3's special tokens and chat template."
-    t = AutoTokenizer.from_pretrained(TARGET_DIR)
+    t = AutoTokenizer.from_pretrained(TINY_TARGET)
     t.add_special_tokens({'bos_token': '<|begin_of_text|>', 'eos_token': '<|eot_id|>'})
     t.add_tokens(['<|start_header_id|>', '<|end_header_id|>'], special_tokens=True)
     t.chat_template = LLAMA3_TEMPLATE
@@ -36,7 +32,7 @@ def llama_tok():
 
 @pytest.mark.parametrize('name,row,reason', RULES)
 def test_bad_row_is_skipped_and_reported(name, row, reason, tok, tmp_path, capsys):
-    ds = prepare(FIX / name, tok, tmp_path)
+    ds = prepare(FIX / name, tokenizer=tok, out=tmp_path)
     rep = json.loads((tmp_path / 'report.json').read_text())
     assert [(p['file'], p['row'], p['reason']) for p in rep['problems']] == [(str(FIX / name), row, reason)]
     assert rep['counts'] == {reason: 1} and rep['rows'] == 3 and rep['kept'] == 2
@@ -46,7 +42,7 @@ def test_bad_row_is_skipped_and_reported(name, row, reason, tok, tmp_path, capsy
 
 @pytest.mark.parametrize('name,row,reason', RULES)
 def test_bad_row_strict_raises(name, row, reason, tok, tmp_path):
-    with pytest.raises(DataError) as e: prepare(FIX / name, tok, tmp_path, strict=True)
+    with pytest.raises(DataError) as e: prepare(FIX / name, tokenizer=tok, out=tmp_path, strict=True)
     assert str(e.value).startswith('1 bad rows (strict mode)') and f'{FIX / name} row {row}: {reason}' in str(e.value)
     assert json.loads((tmp_path / 'report.json').read_text())['counts'] == {reason: 1}  # the report is still written
     assert not (tmp_path / 'meta.json').exists()
@@ -64,7 +60,7 @@ def test_problem_details_say_where():
                                       ('bad_array.json', 'not valid JSON; first bad line 3'),
                                       ('empty.jsonl', 'the file is empty')])
 def test_unreadable_file_is_an_error_in_both_modes(name, msg, strict, tok, tmp_path):
-    with pytest.raises(DataError, match='^' + str(FIX / name) + ': ' + msg): prepare(FIX / name, tok, tmp_path, strict=strict)
+    with pytest.raises(DataError, match='^' + str(FIX / name) + ': ' + msg): prepare(FIX / name, tokenizer=tok, out=tmp_path, strict=strict)
 
 
 def test_json_array_messages_ids_and_roles():
@@ -81,7 +77,7 @@ def test_json_array_messages_ids_and_roles():
 def test_strict_lists_first_20_and_the_count(tok, tmp_path):
     f = tmp_path / 'many.jsonl'
     f.write_text('\n'.join(json.dumps({'id': i, 'conversations': []}) for i in range(25)))
-    with pytest.raises(DataError) as e: prepare(f, tok, tmp_path / 'out', strict=True)
+    with pytest.raises(DataError) as e: prepare(f, tokenizer=tok, out=tmp_path / 'out', strict=True)
     lines = str(e.value).split('\n')
     assert lines[0] == '25 bad rows (strict mode):' and len(lines) == 22 and lines[-1].strip() == '... and 5 more'
     assert lines[20].endswith('row 20: no turns (conversations is empty)')
@@ -153,7 +149,7 @@ def test_loss_mask_conversation_opening_with_the_assistant(tok, llama_tok):
 
 def test_loss_mask_template_that_is_not_prefix_stable():
     "A Qwen3-style template puts an empty think block in the last reply only: earlier turns render differently."
-    t = AutoTokenizer.from_pretrained(TARGET_DIR)
+    t = AutoTokenizer.from_pretrained(TINY_TARGET)
     t.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' and loop.last %}"
                        "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
                        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -180,7 +176,7 @@ def write_jsonl(path, convs):
 def test_truncation_and_min_loss_tokens(tok, tmp_path):
     long_sys = [{'role': 'system', 'content': 'Be brief. ' * 40}] + CONV[1:3]  # the reply starts past token 64
     f = write_jsonl(tmp_path / 'd.jsonl', [('short', CONV[1:3]), ('long-sys', long_sys), ('long', CONV[1:2] + [{'role': 'assistant', 'content': 'ok ' * 100}])])
-    ds = prepare(f, tok, tmp_path / 'out', max_length=64)
+    ds = prepare(f, tokenizer=tok, out=tmp_path / 'out', max_length=64)
     rep = json.loads((tmp_path / 'out' / 'report.json').read_text())
     assert ds.ids == ['short', 'long'] and ds.lengths.max() == 64 and ds.lengths[0] == len(encode(tok, CONV[1:3])[0])
     assert rep['truncated'] == 2 and rep['counts'] == {'too few loss tokens': 1}
@@ -188,14 +184,14 @@ def test_truncation_and_min_loss_tokens(tok, tmp_path):
     full = encode(tok, CONV[1:2] + [{'role': 'assistant', 'content': 'ok ' * 100}])
     assert (ds[1]['input_ids'] == full[0][:64]).all() and (ds[1]['loss_mask'] == full[1][:64]).all()
     n_short = int(encode(tok, CONV[1:3])[1].sum())
-    ds = prepare(f, tok, tmp_path / 'out2', max_length=64, min_loss_tokens=n_short + 1)
+    ds = prepare(f, tokenizer=tok, out=tmp_path / 'out2', max_length=64, min_loss_tokens=n_short + 1)
     assert ds.ids == ['long'] and json.loads((tmp_path / 'out2' / 'report.json').read_text())['counts'] == {'too few loss tokens': 2}
 
 
 def test_save_load_round_trip(tok, tmp_path):
-    convs, _ = load_conversations(DATA / 'sharegpt-heldout.jsonl', max_samples=50)
-    ds = prepare(DATA / 'sharegpt-heldout.jsonl', tok, tmp_path, max_length=128, max_samples=50)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['input_ids.npy', 'loss_mask.npy', 'meta.json', 'offsets.npy', 'report.json']
+    convs, _ = load_conversations(HELDOUT_DATA, max_samples=50)
+    ds = prepare(HELDOUT_DATA, tokenizer=tok, out=tmp_path, max_length=128, max_samples=50)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['config.json', 'input_ids.npy', 'loss_mask.npy', 'meta.json', 'offsets.npy', 'report.json']
     ds = TokenizedDataset.load(tmp_path)
     assert isinstance(ds.input_ids, np.memmap) and isinstance(ds.loss_mask, np.memmap)
     assert np.load(tmp_path / 'input_ids.npy').dtype == np.int32 and np.load(tmp_path / 'loss_mask.npy').dtype == np.uint8
@@ -205,7 +201,7 @@ def test_save_load_round_trip(tok, tmp_path):
         ids, mask = encode(tok, c['messages'])
         assert s['id'] == c['id'] and (s['input_ids'] == ids[:128]).all() and (s['loss_mask'] == mask[:128]).all()
     meta = json.loads((tmp_path / 'meta.json').read_text())
-    assert meta['max_length'] == 128 and meta['tokenizer'] == str(TARGET_DIR) and meta['n'] == 50 and meta['ids'] == ds.ids
+    assert meta['max_length'] == 128 and meta['tokenizer'] == target_name(TINY_TARGET) and meta['n'] == 50 and meta['ids'] == ds.ids
     st = ds.stats()
     assert st['n'] == 50 and st['tokens'] == ds.lengths.sum() == meta['tokens'] and st['max_len'] <= 128
     assert st['loss_tokens'] == sum(int(s['loss_mask'].sum()) for s in ds) and st['min_len'] <= st['p50_len'] <= st['p90_len'] <= st['max_len']
@@ -234,24 +230,12 @@ def test_prepare_cli(tmp_path):
 # --- regeneration -----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope='module')
-def random_target(tmp_path_factory, tok):
+def random_target(tmp_path_factory, make_target, save_target):
     "A random-weight tiny qwen3_5 model with the tiny tokenizer, saved like a real target."
-    path = tmp_path_factory.mktemp('target')
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(target_config(tok, hidden=64, layers=4)).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_target(make_target('qwen3_5'), tmp_path_factory.mktemp('target'))
 
 
-@pytest.fixture
-def one_thread():
-    "Tiny models generate fastest on one thread (and much faster on a busy machine)."
-    n = torch.get_num_threads(); torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def test_regenerate_resumes(random_target, tmp_path, one_thread):
+def test_regenerate_resumes(random_target, tmp_path):
     src = write_jsonl(tmp_path / 'src.jsonl', [('a', CONV), ('b', CONV[1:3]), ('c', CONV[:3] + [{'role': 'user', 'content': 'Thanks'}])])
     out = tmp_path / 'regen.jsonl'
     regenerate(random_target, src, out, batch_size=2, max_new_tokens=6, max_samples=2)  # "interrupted" after two
@@ -269,7 +253,7 @@ def test_regenerate_resumes(random_target, tmp_path, one_thread):
     assert load_conversations(out)[1] == []  # the output is valid input for prepare
 
 
-def test_regenerate_left_padding_greedy_and_seeded_sampling(random_target, tmp_path, one_thread):
+def test_regenerate_left_padding_greedy_and_seeded_sampling(random_target, tmp_path):
     "Greedy replies do not depend on the batch (left padding is masked); sampling repeats with its seed."
     src = write_jsonl(tmp_path / 'src.jsonl', [('a', CONV[1:3]), ('b', CONV)])  # prompts of different lengths
     read = lambda f: {r['id']: r['messages'] for r in map(json.loads, open(f))}

@@ -1,50 +1,35 @@
 "Speculative decoding: lossless on standard and hybrid targets, tau of oracle/wrong drafters, n-gram lookup, cache rollback."
-import warnings
+import json, warnings
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, Qwen3Config
+from transformers import DynamicCache
+from dflash.core import TINY_TARGET, HELDOUT_DATA
+from dflash.taps import load_target, load_tokenizer
+from dflash.model import DFlashDraftModel, drafter_config
 from dflash.evaluate import (DFlashDrafter, NgramDrafter, crop, croppable, evaluate, evaluate_many, greedy_decode, greedy_reference,
-                             heldout_prompts, load_drafter, load_target, ngram_propose, prompt_messages, recurrent_mixers, restore,
-                             rollback, snapshot, spec_decode)
-from dflash.synth import DATA
-from dflash.tiny_target import target_config
-
-TARGET = DATA / 'tiny-target'
-
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    "Batch-1 decoding of tiny models: one thread is fastest, and steady on a shared machine."
-    n = torch.get_num_threads(); torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+                             load_prompts, load_drafter, ngram_propose, recurrent_mixers, restore, rollback, snapshot, spec_decode,
+                             evaluate_job, EvalConfig)
 
 @pytest.fixture(scope='module')
-def tok(): return AutoTokenizer.from_pretrained(TARGET)
-
-@pytest.fixture(scope='module')
-def prompts(tok): return heldout_prompts(tok, n=3)
+def prompts(tok): return load_prompts(tok, n=3)
 
 # Random models with a wider init than the default 0.02, whose tied embeddings make a model repeat its input
 # token: these give varied greedy outputs with clear margins.
-def qwen3(vocab, seed=0):
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(Qwen3Config(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.1)).eval()
+WIDE = dict(initializer_range=0.1)
 
-def llama(vocab, seed=0):
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=512, initializer_range=0.1)).eval()
+@pytest.fixture(scope='module')
+def qwen3(make_target): return lambda seed=0: make_target('qwen3', seed=seed, tie_word_embeddings=True, **WIDE)
 
-def hybrid(tok, seed=0):
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(target_config(tok, hidden=64, layers=4, initializer_range=0.1)).eval()
+@pytest.fixture(scope='module')
+def hybrid(make_target): return lambda seed=0: make_target('qwen3_5', seed=seed, **WIDE)
 
 @pytest.fixture(scope='module', params=['qwen3', 'llama', 'hybrid'])
-def model(request, tok):
-    return hybrid(tok) if request.param == 'hybrid' else {'qwen3': qwen3, 'llama': llama}[request.param](len(tok))
+def model(request, make_target, qwen3, hybrid):
+    return dict(qwen3=qwen3, hybrid=hybrid, llama=lambda: make_target('llama', layers=3, **WIDE))[request.param]()
+
+def fresh(target, tok, **kw):
+    "An untrained DFlash drafter for `target`, attached to it."
+    return DFlashDraftModel(drafter_config(target.config, mask_token_id=tok.mask_token_id, **kw)).attach_target(target).eval()
 
 class Oracle:
     "Proposes the target's own greedy continuation (or, with `wrong`, a different token at every slot)."
@@ -57,10 +42,12 @@ class Oracle:
 
 # --- prompts
 
-def test_prompts_stop_at_first_assistant_turn(tok, prompts):
-    conv = [{'from': 'human', 'value': 'a'}, {'from': 'gpt', 'value': 'b'}, {'from': 'human', 'value': 'c'}]
-    assert prompt_messages(conv) == [{'role': 'user', 'content': 'a'}]
-    with pytest.raises(ValueError, match='row 7: no user turn'): prompt_messages([{'from': 'gpt', 'value': 'b'}], 'row 7')
+def test_prompts_stop_at_first_assistant_turn(tok, prompts, tmp_path):
+    f = tmp_path / 'p.jsonl'
+    f.write_text(json.dumps({'conversations': [{'from': 'human', 'value': 'a'}, {'from': 'gpt', 'value': 'b'}, {'from': 'human', 'value': 'c'}]}) + '\n')
+    assert tok.decode(load_prompts(tok, f)[0]) == '<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n'
+    f.write_text(json.dumps({'messages': [{'role': 'assistant', 'content': 'b'}]}) + '\n')
+    with pytest.raises(ValueError, match='row 1: no turns'): load_prompts(tok, f)
     assert len(prompts) == 3
     for p in prompts:
         text = tok.decode(p)
@@ -103,17 +90,17 @@ def test_rollback_equals_fresh_prefill(model, accepted, refeed):
             want = model(torch.tensor([ids[:t + 1]])).logits[0, -1]
             assert torch.allclose(got, want, atol=1e-4), (t, (got - want).abs().max())
 
-def test_recurrent_mixers_found(tok):
-    m = hybrid(tok)
+def test_recurrent_mixers_found(qwen3, hybrid):
+    m = hybrid()
     cache = DynamicCache(config=m.config)
     with torch.no_grad(): m(torch.arange(5)[None], cache=cache, use_cache=True)
     mixers = recurrent_mixers(m, cache)
     assert sorted(mixers) == [0, 1, 2] and mixers[0][1] is m.model.layers[0].linear_attn
-    c2 = DynamicCache(config=qwen3(len(tok)).config)
-    assert recurrent_mixers(qwen3(len(tok)), c2) == {}
+    c2 = DynamicCache(config=qwen3().config)
+    assert recurrent_mixers(qwen3(), c2) == {}
 
-def test_crop_and_snapshot_kinds(tok):
-    std, hyb = qwen3(len(tok)), hybrid(tok)
+def test_crop_and_snapshot_kinds(qwen3, hybrid):
+    std, hyb = qwen3(), hybrid()
     with torch.no_grad():
         cs, ch = DynamicCache(config=std.config), DynamicCache(config=hyb.config)
         std(torch.arange(10)[None], cache=cs, use_cache=True); hyb(torch.arange(10)[None], cache=ch, use_cache=True)
@@ -153,7 +140,7 @@ def test_wrong_drafter_commits_one_token_per_step(model, prompts):
     assert [n for _, n in steps] == [min(15, 29 - i - 1) for i in range(29)]
 
 def test_ngram_and_dflash_lossless(model, tok, prompts):
-    dm = load_drafter(None, model, block_size=8, mask_token_id=tok.mask_token_id, num_hidden_layers=1)
+    dm = fresh(model, tok, num_hidden_layers=1, block_size=8)
     prompts = prompts[:2]
     ref = greedy_reference(model, prompts, 24, eos_token_id=[])
     for d in ['ngram', dm]:
@@ -162,8 +149,8 @@ def test_ngram_and_dflash_lossless(model, tok, prompts):
         assert abs(r['tau'] - 1 - sum(r['accept_hist'])) < 1e-9 and len(r['accept_hist']) == r['block_size'] - 1
         assert r['tokens_per_s'] > 0 and r['baseline_tokens_per_s'] > 0 and len(r['per_prompt']) == 2
 
-def test_evaluate_many_shares_the_reference(tok, prompts):
-    m = hybrid(tok)
+def test_evaluate_many_shares_the_reference(tok, prompts, hybrid):
+    m = hybrid()
     ref = greedy_decode(m, prompts[0], 20, [])
     res = evaluate_many(m, {'oracle': Oracle(prompts[0], ref), 'wrong': Oracle(prompts[0], ref, True, len(tok)), 'ngram': 'ngram'},
                         prompts[:1], 20, block_size=8, eos_token_id=[], strict=True)
@@ -174,8 +161,8 @@ def test_evaluate_many_shares_the_reference(tok, prompts):
     with pytest.raises(ValueError, match='max_new_tokens=20'):
         evaluate(m, 'ngram', prompts[:1], 24, eos_token_id=[], reference=greedy_reference(m, prompts[:1], 20, eos_token_id=[]))
 
-def test_eos_ends_the_answer(tok, prompts):
-    m = hybrid(tok)
+def test_eos_ends_the_answer(tok, prompts, hybrid):
+    m = hybrid()
     ref = greedy_decode(m, prompts[0], 30)
     eos = ref[5]
     want = ref[:ref.index(eos) + 1]
@@ -183,37 +170,52 @@ def test_eos_ends_the_answer(tok, prompts):
     for d in [Oracle(prompts[0], ref), NgramDrafter(), Oracle(prompts[0], ref, wrong=True, vocab=len(tok))]:
         assert spec_decode(m, d, prompts[0], 30, eos)[0] == want
 
-def test_dflash_context_is_the_committed_taps(tok, prompts):
-    "The drafter's cache after decoding equals one built from a fresh target forward over the committed tokens."
-    m = hybrid(tok)
-    dm = load_drafter(None, m, block_size=4, mask_token_id=tok.mask_token_id, num_hidden_layers=2, target_layer_ids=[0, 2])
+@pytest.mark.parametrize('layer_ids', [[0, 2], [1, 3]], ids=['middle', 'last-layer'])
+def test_dflash_context_is_the_committed_taps(tok, prompts, hybrid, layer_ids):
+    "The drafter's cache after decoding equals one built from a fresh capture (raw layer outputs, the last layer included)."
+    from dflash.taps import capture
+    m = hybrid()
+    dm = fresh(m, tok, num_hidden_layers=2, block_size=4, target_layer_ids=layer_ids)
     d = DFlashDrafter(dm)
     p = prompts[0]
     new, steps = spec_decode(m, d, p, 20, block_size=4)
     n = len(d.cache)
     seq = p + new
     assert len(p) <= n < len(seq)
+    taps = capture(m, torch.tensor([seq[:n]]), layer_ids=layer_ids)
     with torch.no_grad():
-        hs = m(torch.tensor([seq[:n]]), output_hidden_states=True).hidden_states
-        taps = torch.cat([hs[k + 1] for k in (0, 2)], -1)
         want = dm.draft(taps, torch.tensor([seq[n]]), n, dm.new_cache())
         got = dm.draft(None, torch.tensor([seq[n]]), n, d.cache)
     assert torch.allclose(got, want, atol=1e-4)
 
-def test_mismatch_is_flagged(tok, prompts):
-    m, other = hybrid(tok), hybrid(tok, seed=1)
+def test_mismatch_is_flagged(tok, prompts, hybrid):
+    m, other = hybrid(), hybrid(seed=1)
     bad = greedy_reference(other, prompts[:1], 12)
     with pytest.warns(UserWarning, match='prompt 0'):
         r = evaluate(m, 'ngram', prompts[:1], 12, reference=bad, warmup=False)
     assert not r['lossless'] and r['per_prompt'][0]['first_mismatch'] is not None
     with pytest.raises(AssertionError, match='prompt 0'): evaluate(m, 'ngram', prompts[:1], 12, reference=bad, warmup=False, strict=True)
 
-@pytest.mark.skipif(not (TARGET / 'model.safetensors').exists(), reason='data/tiny-target has no trained weights yet')
 def test_trained_tiny_target_lossless(prompts):
-    m, tok = load_target(TARGET)
-    dm = load_drafter(None, m, mask_token_id=tok.mask_token_id, num_hidden_layers=1)
+    m, tok = load_target(TINY_TARGET), load_tokenizer(TINY_TARGET)
+    dm = fresh(m, tok, num_hidden_layers=1)
     ref = greedy_reference(m, prompts[:2], 32)
     assert ref['eos_token_id'] == [tok.eos_token_id]
     for d in ['ngram', dm]:
         r = evaluate(m, d, prompts[:2], 32, reference=ref, strict=True)
         assert r['lossless'] and r['new_tokens'] == sum(map(len, ref['outputs']))
+
+def test_job_tau_per_file_and_drafter(tok, hybrid, save_target, tmp_path, capsys):
+    "The job: a row per file and drafter, a sentence on losslessness, results.json; a drafter checkpoint loads onto the target."
+    m = hybrid()
+    save_target(m, tmp_path / 'target')
+    fresh(m, tok, num_hidden_layers=1, block_size=8).save_pretrained(tmp_path / 'drafter')
+    (tmp_path / 'asks.json').write_text(json.dumps([{'messages': [{'role': 'user', 'content': 'Convert 3 km to m.'}]}]))
+    res = evaluate_job(target=str(tmp_path / 'target'), drafter=str(tmp_path / 'drafter'), eval_data=f"{HELDOUT_DATA},{tmp_path / 'asks.json'}",
+                       num_prompts=2, max_new_tokens=10, out=str(tmp_path / 'eval'))
+    text = capsys.readouterr().out
+    assert [len(r) for r in res.values()] == [2, 2] and 'asks.json' in text and 'dflash' in text and 'ngram' in text
+    assert 'Lossless: every one of the 6 speculative outputs' in text
+    saved = json.loads((tmp_path / 'eval/results.json').read_text())
+    assert saved['results'][str(tmp_path / 'asks.json')]['dflash']['block_size'] == 8
+    assert load_drafter(tmp_path / 'drafter', m).block_size == 8

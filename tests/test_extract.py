@@ -3,40 +3,23 @@ import json, os, signal, subprocess, sys, time
 from pathlib import Path
 import numpy as np, pytest, torch, transformers as T
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from dflash.synth import DATA
+from transformers import AutoModelForCausalLM
+from dflash.core import TRAIN_DATA, read_metrics
 from dflash.tiny_target import target_config
 from dflash.data import TokenizedDataset, prepare
-from dflash.extract import (default_layer_ids, decoder_layers, capture, tap_layers, pad_batch, quantize_fp8, dequantize_fp8,
-                            extract, ExtractedDataset, load_sample, read_manifest, read_metrics, Extractor, find_token_budget)
-
-TOK = DATA / 'tiny-target'
-
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    "Tiny models run fastest on one thread (and the CI box is shared); restored afterwards."
-    n = torch.get_num_threads(); torch.set_num_threads(1); os.environ['OMP_NUM_THREADS'] = '1'
-    yield
-    torch.set_num_threads(n); os.environ.pop('OMP_NUM_THREADS', None)
+from dflash.taps import default_layer_ids, decoder_layers, capture, tap_layers, pad_batch
+from dflash.shards import quantize_fp8, dequantize_fp8, ExtractedDataset, load_sample, read_manifest
+from dflash.extract import extract, Extractor, find_token_budget
 
 @pytest.fixture(scope='module')
-def tok(): return AutoTokenizer.from_pretrained(TOK)
-
-def hybrid(tok, layers=4, seed=0):
-    torch.manual_seed(seed); return AutoModelForCausalLM.from_config(target_config(tok, hidden=64, layers=layers)).eval()
-
-def qwen3(tok, layers=4, seed=0):
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(T.Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)).eval()
+def hybrid(make_target): return lambda layers=4, seed=0: make_target('qwen3_5', layers=layers, seed=seed)
 
 @pytest.fixture(scope='module')
-def work(tmp_path_factory, tok):
+def work(tmp_path_factory, tok, make_target, save_target):
     "Saved tiny targets and a prepared dataset of conversations from 2 to ~700 tokens."
     d = tmp_path_factory.mktemp('extract')
-    for name, make in (('hybrid', hybrid), ('qwen3', qwen3)):
-        make(tok).save_pretrained(d / name); tok.save_pretrained(d / name)
-    rows = [json.loads(l) for l in open(DATA / 'sharegpt-train.jsonl')][:40]
+    save_target(make_target('qwen3_5'), d / 'hybrid'); save_target(make_target('qwen3'), d / 'qwen3')
+    rows = [json.loads(l) for l in open(TRAIN_DATA)][:40]
     long = [dict(id=f'long-{k}', conversations=sum((r['conversations'] for r in rows[k * 8:k * 8 + 8]), [])) for k in range(2)]
     short = [dict(id='short', conversations=[dict(**{'from': 'human'}, value='Hi'), dict(**{'from': 'gpt'}, value='Hi')])]
     (d / 'mixed.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows + long + short))
@@ -76,8 +59,8 @@ def test_decoder_layers_and_taps_on_architectures(arch):
     x = torch.randint(0, 128, (1, 6))
     torch.testing.assert_close(capture(m, x, layer_ids=[1, 0]), torch.cat([ref_states(m, x[0], [1]), ref_states(m, x[0], [0])], -1)[None])
 
-def test_decoder_layers_of_hybrid_and_multimodal_wrapper(tok):
-    h = hybrid(tok)
+def test_decoder_layers_of_hybrid_and_multimodal_wrapper(tok, hybrid):
+    h = hybrid()
     assert type(h).__name__ == 'Qwen3_5ForCausalLM' and decoder_layers(h) is h.model.layers
     vc = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4, spatial_merge_size=1, temporal_patch_size=1)
     mm = T.Qwen3_5ForConditionalGeneration(T.Qwen3_5Config(text_config=target_config(tok, hidden=64, layers=4).to_dict(), vision_config=vc)).eval()
@@ -92,10 +75,10 @@ def test_decoder_layers_error_names_the_class():
 
 # --- capture
 
-@pytest.mark.parametrize('make', [hybrid, qwen3], ids=['qwen3_5-hybrid', 'qwen3'])
-def test_batched_capture_equals_single_sample_hidden_states(tok, make):
+@pytest.mark.parametrize('kind', ['qwen3_5', 'qwen3'])
+def test_batched_capture_equals_single_sample_hidden_states(tok, make_target, kind):
     "Right-padded batches mixing lengths 1..300 give each sample's own output_hidden_states (incl. linear-attention layers)."
-    m = make(tok)
+    m = make_target(kind)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, len(tok), (n,), generator=g).tolist() for n in (300, 1, 64, 65, 7, 129)]
     ids, mask, index = pad_batch(seqs, pad_id=tok.pad_token_id)
@@ -107,16 +90,16 @@ def test_batched_capture_equals_single_sample_hidden_states(tok, make):
     twice = capture(m, ids, mask, [1, 1], index)   # the DFlash rule repeats layers of very shallow targets
     torch.testing.assert_close(twice, torch.cat([rows[:, 128:], rows[:, 128:]], -1))
 
-def test_bf16_capture_within_bf16_tolerance(tok):
-    m = qwen3(tok).to(torch.bfloat16)
+def test_bf16_capture_within_bf16_tolerance(make_target):
+    m = make_target('qwen3').to(torch.bfloat16)
     seqs = [list(range(5, 205)), [7, 8, 9]]
     ids, mask, index = pad_batch(seqs)
     rows = capture(m, ids, mask, [1, 2], index)
     torch.testing.assert_close(rows[200:], ref_states(m, seqs[1], [1, 2]), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(rows[:200], ref_states(m, seqs[0], [1, 2]), atol=2e-2, rtol=2e-2)
 
-def test_forward_stops_after_last_tap(tok):
-    m = hybrid(tok, layers=6)
+def test_forward_stops_after_last_tap(hybrid):
+    m = hybrid(layers=6)
     calls = []
     hooks = [mod.register_forward_hook(lambda *a, n=n: calls.append(n)) for n, mod in
              [*((f'layer{i}', l) for i, l in enumerate(m.model.layers)), ('norm', m.model.norm), ('lm_head', m.lm_head)]]
@@ -124,8 +107,8 @@ def test_forward_stops_after_last_tap(tok):
     assert calls == ['layer0', 'layer1', 'layer2', 'layer3']
     for h in hooks: h.remove()
 
-def test_hooks_removed_after_error(tok):
-    m = hybrid(tok)
+def test_hooks_removed_after_error(tok, hybrid):
+    m = hybrid()
     count = lambda: sum(len(x._forward_hooks) for x in m.modules())
     n0 = count()
     with pytest.raises(RuntimeError, match='boom'):
@@ -155,7 +138,7 @@ def test_extract_stores_what_each_sample_gives_alone(work, base):
     assert man['complete'] and man['layer_ids'] == [0, 1, 2] and man['hidden_size'] == 64 and man['dtype'] == 'float32'
     assert man['num_samples'] == 43 and man['num_tokens'] == int(ds.lengths.sum()) and len(man['shards']) > 3
     assert {'file', 'num_samples', 'num_tokens', 'sha256'} <= set(man['shards'][0]) and len(man['target_config_sha256']) == 64
-    assert x.verify()
+    assert x.verify_all()
     for i in range(len(ds)):
         s = x[i]
         assert s['sample_id'] == i and s['hidden_states'].shape == (ds.lengths[i], 3 * 64)
@@ -201,7 +184,7 @@ def test_resume_after_sigkill_equals_uninterrupted_run(work):
     for i in range(43):
         a, b = x[i], ref[i]
         assert torch.equal(a['hidden_states'], b['hidden_states']) and torch.equal(a['input_ids'], b['input_ids']) and torch.equal(a['loss_mask'], b['loss_mask'])
-    assert read_manifest(out)['complete'] and x.verify()
+    assert read_manifest(out)['complete'] and x.verify_all()
 
 def test_refuses_other_target_layers_or_dtype(work, base):
     out = work / 'base'
@@ -227,10 +210,10 @@ def test_oom_splits_batches_and_loses_no_sample(work, base):
     for i in range(43): torch.testing.assert_close(x[i]['hidden_states'], base[1][i]['hidden_states'], atol=2e-5, rtol=1e-4)
     assert any(e.get('event') == 'oom' for e in read_metrics(work / 'oom'))
 
-def test_oom_on_a_single_sample_names_it(work, tok):
+def test_oom_on_a_single_sample_names_it(work, hybrid):
     ds = TokenizedDataset.load(work / 'dataset')
     big = int(np.argmax(ds.lengths))
-    ex = Extractor(hybrid(tok), ds, [0], token_budget=10_000, mem_limit_tokens=int(ds.lengths[big]) - 1)
+    ex = Extractor(hybrid(), ds, [0], token_budget=10_000, mem_limit_tokens=int(ds.lengths[big]) - 1)
     with pytest.raises(RuntimeError, match=f"sample {big} \\(id 'long-"): ex.run([[big]])
 
 def test_find_token_budget():
@@ -260,7 +243,7 @@ def test_two_cpu_workers_give_the_same_set_as_one(work, base):
     for i in range(43): torch.testing.assert_close(x[i]['hidden_states'], base[1][i]['hidden_states'], atol=2e-5, rtol=1e-4)
 
 def test_failed_worker_stops_the_job_naming_its_rank(work):
-    with pytest.raises(RuntimeError, match=r"extract worker rank \d failed:(.|\n)*does not fit in memory alone"):
+    with pytest.raises(RuntimeError, match=r"extract worker rank \d failed: RuntimeError: rank \d: sample \d+ .*does not fit in memory alone"):
         extract(work / 'hybrid', work / 'dataset', work / 'w2-fail', **KW, workers=2, mem_limit_tokens=5)
     assert not read_manifest(work / 'w2-fail')['complete']
 

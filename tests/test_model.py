@@ -4,15 +4,13 @@ import pytest, torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3_5Config
-from dflash.tiny_target import TARGET_DIR, target_config
-from dflash.model import (DFlashConfig, DFlashDraftModel, DraftCache, block_labels, block_mask, default_layer_ids,
-                          drafter_config, load_target_io, pad_anchors, sample_anchors, slot_weights, tap_states)
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3_5Config
+from dflash.tiny_target import target_config
+from dflash.taps import capture, default_layer_ids, load_target_io
+from dflash.model import (DFlashConfig, DFlashDraftModel, DraftCache, block_labels, block_mask, drafter_config, pad_anchors,
+                          sample_anchors, slot_weights, save_drafter)
 
 B = 4  # block size of the test drafters
-
-@pytest.fixture(scope='module')
-def tok(): return AutoTokenizer.from_pretrained(TARGET_DIR)
 
 def qwen3_target(vocab):
     return Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -40,7 +38,7 @@ def _build(kind, tok):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(4, len(tok), (2, 20), generator=g)
     lm = torch.zeros(2, 20, dtype=torch.long); lm[0, 4:] = 1; lm[1, 6:15] = 1
-    with torch.no_grad(): hs = tap_states(target(ids, output_hidden_states=True).hidden_states, cfg.target_layer_ids)
+    hs = capture(target, ids, layer_ids=cfg.target_layer_ids)
     return target, drafter, hs, ids, lm
 
 def logits(drafter, hs, ids, lm, anchors, **kw):
@@ -56,15 +54,14 @@ def test_layer_id_rule():
     assert default_layer_ids(28, 1) == [14]
     assert drafter_config(Qwen3Config(num_hidden_layers=64)).target_layer_ids == [1, 16, 31, 46, 61]
 
-def test_tap_states_are_decoder_layer_outputs(both):
+def test_taps_are_decoder_layer_outputs(both):
+    "Layer id k is HF's hidden_states[k + 1] for every layer but the last, whose raw output is before the final norm."
     target, drafter, *_ = both
-    seen = {}
-    hooks = [l.register_forward_hook(lambda m, i, o, k=k: seen.__setitem__(k, o[0] if isinstance(o, tuple) else o))
-             for k, l in enumerate(target.model.layers)]
-    with torch.no_grad(): hs = target(torch.arange(4, 14)[None], output_hidden_states=True).hidden_states
-    for h in hooks: h.remove()
-    t = tap_states(hs, [0, 2])
-    assert torch.equal(t[..., :64], seen[0]) and torch.equal(t[..., 64:], seen[2])
+    x = torch.arange(4, 14)[None]
+    with torch.no_grad(): hs = target(x, output_hidden_states=True).hidden_states
+    t = capture(target, x, layer_ids=[0, 2, 3])
+    assert torch.equal(t[..., :64], hs[1]) and torch.equal(t[..., 64:128], hs[3])
+    assert torch.equal(target.model.norm(t[..., 128:]), hs[4]) and not torch.allclose(t[..., 128:], hs[4])
 
 # --- config ------------------------------------------------------------------------------------------
 
@@ -253,7 +250,7 @@ def expected_keys(n_layers):
 
 def test_checkpoint_format_and_round_trip(both, tmp_path, tok):
     target, drafter, hs, ids, lm = both
-    drafter.save_pretrained(tmp_path)
+    save_drafter(drafter, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ['config.json', 'model.safetensors']
     with safe_open(tmp_path / 'model.safetensors', 'pt') as f: assert set(f.keys()) == expected_keys(2)
     j = json.loads((tmp_path / 'config.json').read_text())

@@ -1,0 +1,50 @@
+"Fixtures every test file shares: the embedded tokenizer, random-weight targets of real architectures, saved target directories."
+import pytest, torch
+import transformers as T
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from dflash.core import TINY_TARGET
+from dflash.tiny_target import target_config
+
+
+@pytest.fixture(scope='session', autouse=True)
+def one_thread():
+    "Tiny models run fastest on one thread (and CI machines are shared); restored afterwards."
+    n = torch.get_num_threads(); torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope='session')
+def tok():
+    "The embedded target's tokenizer: byte-level BPE, ChatML template, a mask token."
+    return AutoTokenizer.from_pretrained(TINY_TARGET)
+
+
+def _config(kind, vocab, layers, hidden, tok, **over):
+    heads = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                 head_dim=hidden // 4, vocab_size=vocab, max_position_embeddings=512)
+    if kind == 'qwen3_5':
+        c = target_config(tok, hidden=hidden, layers=layers, **over); c.vocab_size = vocab
+        return c
+    if kind == 'qwen3': return T.Qwen3Config(**heads, num_key_value_heads=2, **over)
+    if kind == 'llama': return T.LlamaConfig(**heads, num_key_value_heads=4, **over)
+    raise ValueError(kind)
+
+
+@pytest.fixture(scope='session')
+def make_target(tok):
+    """A factory of random-weight causal LMs of real architectures at toy size, in eval mode:
+    `make_target(kind='qwen3_5' | 'qwen3' | 'llama', layers=4, hidden=64, seed=0, vocab=len(tok), **config_overrides)`."""
+    def make(kind='qwen3_5', layers=4, hidden=64, seed=0, vocab=None, **over):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(_config(kind, vocab or len(tok), layers, hidden, tok, **over)).eval()
+    return make
+
+
+@pytest.fixture(scope='session')
+def save_target(tok):
+    "`save_target(model, path)`: the model and the embedded tokenizer saved as a target directory; returns the path."
+    def save(model, path, tokenizer=None):
+        model.save_pretrained(path); (tokenizer or tok).save_pretrained(path)
+        return path
+    return save

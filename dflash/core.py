@@ -9,7 +9,7 @@ __all__ = ['ROOT', 'DATA', 'TINY_TARGET', 'TRAIN_DATA', 'HELDOUT_DATA', 'RUNS', 
 
 # %% ../nbs/core.ipynb #d0542ba4
 import argparse, hashlib, json, os, queue, sys, tempfile, threading, time, traceback, types, typing
-from dataclasses import dataclass, field, fields, asdict, MISSING
+from dataclasses import field, fields
 from pathlib import Path
 
 # %% ../nbs/core.ipynb #e3ee241a

@@ -6,7 +6,7 @@
 __all__ = ['ROLES', 'REASONS', 'LLAMA3_TEMPLATE', 'DataError', 'read_rows', 'BadRow', 'normalize', 'prompt_of',
            'load_conversations', 'describe', 'check', 'render', 'special_strings', 'assistant_spans', 'spans_to_mask',
            'encode', 'show_mask', 'encode_all', 'TokenizedDataset', 'PrepareConfig', 'prepare', 'prepare_cli',
-           'prepared', 'done_ids', 'generate_replies', 'regenerate']
+           'prepared']
 
 # %% ../nbs/data.ipynb #bdc63938
 import hashlib, json, os, shutil, time
@@ -14,10 +14,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, out_param, run_cli, write_json_atomic, file_sha256
-from .taps import load_tokenizer, load_target, target_name, tokenizer_sha256
+from .taps import load_tokenizer, target_name, tokenizer_sha256
 
 # %% ../nbs/data.ipynb #71bb31c6
 class DataError(ValueError):
@@ -363,85 +362,3 @@ def prepared(data, target, out, max_length=2048):
         prepare(data=str(p), target=str(target), out=str(d), max_length=max_length)
         write_json_atomic(marker, src)
     return d
-
-# %% ../nbs/data.ipynb #3ebcbed3
-def done_ids(path):
-    "Ids already in the JSONL `path`. A half-written last line (an interrupted run) is cut off so it is redone."
-    path = Path(path)
-    if not path.exists(): return set()
-    lines, ids, pos, keep = path.read_bytes().split(b'\n'), set(), 0, 0
-    for i, line in enumerate(lines):
-        if line.strip():
-            try: ids.add(str(json.loads(line)['id']))
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-                if any(l.strip() for l in lines[i + 1:]): raise DataError(f'{path}: line {i + 1} is not a regenerated conversation') from None
-                break
-            keep = pos + len(line)  # the end of the last good line
-        pos += len(line) + 1
-    with open(path, 'r+b') as f:
-        f.truncate(keep)
-        if keep: f.seek(keep); f.write(b'\n')
-    return ids
-
-@torch.no_grad()
-def generate_replies(model, tok, prompts, gen_config):
-    "The decoded replies to `prompts` (chat-template text), and whether each hit `max_new_tokens`."
-    enc = tok(prompts, add_special_tokens=False, padding=True, return_tensors='pt').to(model.device)
-    out = model.generate(**enc, generation_config=gen_config)[:, enc['input_ids'].shape[1]:].tolist()
-    eos, res = set(gen_config.eos_token_id), []
-    for seq in out:
-        cut = next((j for j, t in enumerate(seq) if t in eos), None)
-        res.append((tok.decode(seq[:cut], skip_special_tokens=True), cut is None))
-    return res
-
-# %% ../nbs/data.ipynb #0047f6ae
-def _with_reply(msgs):
-    "A conversation of prompts only gets one assistant turn to generate, at its end."
-    return msgs if any(m['role'] == 'assistant' for m in msgs) else msgs + [dict(role='assistant', content='')]
-
-def regenerate(target, data, out_jsonl, batch_size=8, max_new_tokens=256, temperature=0.0, seed=0, max_samples=None, device=None):
-    "Replace every assistant turn of `data` (a file, or a list of records; prompts alone get one reply) with `target`'s reply; append to `out_jsonl`."
-    if isinstance(data, (str, Path)):
-        convs, problems = load_conversations(data, need_answer=False); check(problems, n_rows=len(convs) + len(problems))
-    else:
-        convs = []
-        for i, rec in enumerate(data, 1):
-            try: cid, msgs = normalize(rec, i, need_answer=False)
-            except BadRow as e: raise DataError(f'conversation {i} of data: {e.reason} ({e.detail})') from None
-            convs.append(dict(id=cid, messages=msgs))
-    convs = [dict(c, messages=_with_reply(c['messages'])) for c in convs]
-    convs, out_jsonl = convs[:max_samples], Path(out_jsonl)
-    out_jsonl.parent.mkdir(parents=True, exist_ok=True)
-    done = done_ids(out_jsonl)
-    todo = [c for c in convs if c['id'] not in done]
-    print(f'regenerate: {len(convs)} conversations, {len(convs) - len(todo)} already in {out_jsonl}, {len(todo)} to do')
-    if not todo: return out_jsonl
-    model, tok = load_target(target, device=device), load_tokenizer(target)
-    tok.padding_side = 'left'
-    if tok.pad_token is None: tok.pad_token = tok.eos_token
-    from transformers import GenerationConfig
-    ge = model.generation_config.eos_token_id
-    eos = sorted({tok.eos_token_id, *(ge if isinstance(ge, list) else [ge])} - {None})
-    how = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
-    gc = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=eos, **how)
-    cuda = [model.device.index or 0] if model.device.type == 'cuda' else []
-    queue, active, n_turns, n_cut = list(reversed(todo)), [], 0, 0
-    pbar = tqdm(total=len(todo), desc='regenerate')
-    with torch.random.fork_rng(devices=cuda), open(out_jsonl, 'a') as f:
-        torch.manual_seed(seed)
-        while queue or active:
-            while queue and len(active) < batch_size:
-                c = queue.pop()
-                turns = [i for i, m in enumerate(c['messages']) if m['role'] == 'assistant']
-                active.append(dict(id=c['id'], messages=[dict(m) for m in c['messages']], turns=turns, k=0, cut=0))
-            prompts = [render(tok, a['messages'][:a['turns'][a['k']]], gen=True) for a in active]
-            for a, (reply, cut) in zip(active, generate_replies(model, tok, prompts, gc)):
-                a['messages'][a['turns'][a['k']]]['content'] = reply; a['k'] += 1; a['cut'] += cut
-            n_turns += len(active)
-            for a in [a for a in active if a['k'] == len(a['turns'])]:
-                f.write(json.dumps(dict(id=a['id'], messages=a['messages'], truncated_turns=a['cut'])) + '\n'); f.flush()
-                n_cut += a['cut']; pbar.update()
-            active = [a for a in active if a['k'] < len(a['turns'])]
-    pbar.close()
-    print(f'regenerated {len(todo)} conversations ({n_turns} turns, {n_cut} cut at max_new_tokens={max_new_tokens}) -> {out_jsonl}')
-    return out_jsonl

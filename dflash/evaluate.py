@@ -5,10 +5,11 @@
 # %% auto #0
 __all__ = ['load_prompts', 'croppable', 'crop', 'snapshot', 'restore', 'recurrent_mixers', 'rollback', 'eos_ids', 'greedy_decode',
            'ngram_propose', 'NgramDrafter', 'DFlashDrafter', 'load_drafter', 'spec_decode', 'greedy_reference',
-           'evaluate_many', 'evaluate', 'plot_results', 'EvalConfig', 'tau_table', 'evaluate_job', 'evaluate_cli']
+           'evaluate_many', 'evaluate', 'plot_results', 'TauProbe', 'EvalConfig', 'tau_table', 'evaluate_job',
+           'evaluate_cli']
 
 # %% ../nbs/evaluate.ipynb #f0d0c76d
-import json, time, warnings
+import time, warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -286,6 +287,27 @@ def plot_results(res, path=None):
     if path: fig.savefig(path, dpi=100)
     plt.close(fig)
     return fig
+
+# %% ../nbs/evaluate.ipynb #5b108314
+class TauProbe:
+    "tau of drafters on the prompts of the `eval_data` files (comma-separated), the target loaded and its own decodes run once."
+    def __init__(self, target, eval_data, n=8, max_new_tokens=64, dtype=None, device=None):
+        self.target_name, self.files, self.n, self.max_new_tokens = target, [f.strip() for f in eval_data.split(',') if f.strip()], n, max_new_tokens
+        self.dtype, self.device, self.target, self.sets = dtype, device, None, {}
+
+    def _load(self):
+        if self.target is None:
+            self.target, tok = load_target(self.target_name, self.dtype, self.device), load_tokenizer(self.target_name)
+            for f in self.files:
+                ps = load_prompts(tok, f, self.n)
+                self.sets[f] = (ps, greedy_reference(self.target, ps, self.max_new_tokens))
+        return self.target
+
+    def __call__(self, drafter):
+        "`(tau averaged over the files, {file: evaluate's result})` of `drafter`."
+        target = self._load()
+        res = {f: evaluate(target, drafter, ps, self.max_new_tokens, reference=ref) for f, (ps, ref) in self.sets.items()}
+        return sum(r['tau'] for r in res.values()) / len(res), res
 
 # %% ../nbs/evaluate.ipynb #55ddc3d7
 @dataclass

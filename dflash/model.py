@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['GAMMA', 'DFlashConfig', 'drafter_config', 'DFlashAttention', 'DFlashDecoderLayer', 'DFlashDraftModel', 'pad_anchors',
            'sample_anchors', 'block_mask', 'flex_block_mask', 'block_labels', 'slot_weights', 'DFlashOutput',
-           'DraftCache', 'save_drafter']
+           'DraftCache', 'mask_token_for', 'save_drafter']
 
 # %% ../nbs/model.ipynb #149b3545
 from dataclasses import dataclass
@@ -349,6 +349,17 @@ def _new_cache(self):
     return DraftCache()
 
 DFlashDraftModel.draft, DFlashDraftModel.new_cache = _draft, _new_cache
+
+# %% ../nbs/model.ipynb #1d1c4c6f
+def mask_token_for(target, given=None):
+    "The mask token id for `target` (a directory or hub id): `given`, else the tokenizer's, else the first spare embedding row."
+    from dflash.taps import load_target_config, load_tokenizer, text_config
+    if given is not None: return int(given)
+    tok, rows = load_tokenizer(target), text_config(load_target_config(target)).vocab_size
+    if tok.mask_token_id is not None: return tok.mask_token_id
+    if len(tok) >= rows: raise ValueError(f'{target}: the tokenizer has no mask token and the embedding no spare row '
+                                          f'({len(tok)} tokens, {rows} rows): pass mask_token_id')
+    return len(tok)
 
 # %% ../nbs/model.ipynb #86012dd6
 def save_drafter(model, path):

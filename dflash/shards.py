@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['FP8_MAX', 'FORMAT', 'MANIFEST', 'HEADER_KEYS', 'quantize_fp8', 'dequantize_fp8', 'ShardFile', 'read_manifest',
            'manifest_lock', 'update_manifest', 'ShardWriter', 'run_lock', 'open_out', 'shard_sample_ids',
-           'CorruptShard', 'ExtractedDataset', 'load_sample', 'collate', 'OfflineSource']
+           'CorruptShard', 'ExtractedDataset', 'load_sample', 'check_extraction', 'collate', 'OfflineSource']
 
 # %% ../nbs/shards.ipynb #2fcff162
 import fcntl, json, os, queue, threading, warnings
@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from .core import Feeder, file_sha256, write_json_atomic
+from .taps import config_sha256, tokenizer_sha256, load_target_config, load_tokenizer
 
 # %% ../nbs/shards.ipynb #1e8f6304
 FP8_MAX = 448.0
@@ -301,6 +302,18 @@ def load_sample(out, sample_id, dtype=None):
     return _CACHE['ds'].get(sample_id)
 
 _CACHE = {}
+
+# %% ../nbs/shards.ipynb #acd126aa
+def check_extraction(xds, target, layer_ids=None):
+    "Refuse an `ExtractedDataset` made from another target, tokenizer or taps than `target` and `layer_ids`."
+    m = xds.manifest
+    if m['target_config_sha256'] != config_sha256(load_target_config(target)):
+        raise ValueError(f"{xds.out} was extracted from {m['target']}, whose config differs from the target {target}")
+    if m.get('tokenizer_sha256') and m['tokenizer_sha256'] != tokenizer_sha256(load_tokenizer(target)):
+        raise ValueError(f"{xds.out} was tokenized with another tokenizer than the target {target}'s")
+    if layer_ids is not None and list(layer_ids) != list(xds.layer_ids):
+        raise ValueError(f'layer_ids {list(layer_ids)} differ from those of the extraction {xds.out}: {xds.layer_ids}')
+    return xds
 
 # %% ../nbs/shards.ipynb #2f13285c
 def collate(hs_rows, input_ids, loss_mask, lengths):

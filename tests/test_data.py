@@ -5,8 +5,8 @@ import numpy as np, pytest, torch
 from transformers import AutoTokenizer
 from dflash.core import TINY_TARGET, HELDOUT_DATA
 from dflash.taps import target_name
-from dflash.data import (DataError, LLAMA3_TEMPLATE, TokenizedDataset, encode, load_conversations, prepare, read_rows,
-                         regenerate)
+from dflash.data import DataError, LLAMA3_TEMPLATE, TokenizedDataset, encode, load_conversations, prepare, read_rows
+from dflash.regenerate import regenerate
 
 FIX = Path(__file__).parent / 'fixtures' / 'data'
 # fixture, the bad row, its reason (every fixture has valid rows 1 and 3 around it)

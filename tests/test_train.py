@@ -6,7 +6,7 @@ from dflash.core import TINY_TARGET, TRAIN_DATA, read_metrics
 from dflash.data import prepare
 from dflash.batching import Plan
 from dflash.extract import extract
-from dflash.dashboard import diagnose, plot_dashboard
+from dflash.metrics import diagnose, plot_dashboard
 from dflash.train import train, latest_checkpoint, TrainConfig
 
 CLI = [sys.executable, '-c', 'from dflash.train import train_cli; train_cli()']

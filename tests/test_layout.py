@@ -1,0 +1,33 @@
+"The package's shape: modules import only those below them in the data flow, and the drafter loads without the jobs."
+import ast, subprocess, sys
+from pathlib import Path
+import dflash
+
+PKG = Path(dflash.__file__).parent
+# lowest first: a module may import only modules before it (synth and tiny_target only make the embedded default)
+ORDER = ['core', 'taps', 'data', 'regenerate', 'batching', 'shards', 'metrics', 'extract', 'model', 'evaluate', 'dist', 'train']
+SIDE = {'synth': [], 'tiny_target': ['synth']}
+
+
+def imports(mod):
+    tree = ast.parse((PKG / f'{mod}.py').read_text())
+    return {n.module.lstrip('.').removeprefix('dflash.') for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+            and (n.level == 1 or n.module.startswith('dflash.'))}
+
+
+def test_every_module_is_placed():
+    mods = {p.stem for p in PKG.glob('*.py')} - {'__init__', '_modidx'}
+    assert mods == set(ORDER) | set(SIDE)
+
+
+def test_imports_run_one_way():
+    for i, mod in enumerate(ORDER):
+        assert imports(mod) <= set(ORDER[:i]), f'{mod} imports {imports(mod) - set(ORDER[:i])}, which are not below it'
+    for mod, allowed in SIDE.items(): assert imports(mod) <= set(allowed)
+
+
+def test_the_drafter_loads_without_jobs_or_plotting():
+    code = ("import sys, dflash.model; print(' '.join(m for m in ('matplotlib.pyplot', 'dflash.extract', 'dflash.data', 'dflash.synth', "
+            "'dflash.train', 'dflash.tiny_target', 'tokenizers.trainers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == '', r.stdout + r.stderr[-2000:]

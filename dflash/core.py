@@ -163,10 +163,14 @@ class Job:
     def to_dict(self): return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def describe(self):
-        "One line per setting: its value and where it came from."
+        "One line per setting: its value and where it came from (nothing when the user gave it)."
         w = max(len(f.name) for f in fields(self))
         return '\n'.join(f'  {f.name:<{w}} = {getattr(self, f.name)!r}' + ('' if self.origins.get(f.name) == 'given' else
                          f'   ({self.origins.get(f.name, "default")})') for f in fields(self))
+
+    def announce(self):
+        "What a job prints as it starts: its settings, each with where it came from."
+        return f'{type(self).__name__}:\n{self.describe()}'
 
     def save(self, path):
         "Write the resolved parameters, with their origins, to `path` (JSON)."

@@ -310,6 +310,7 @@ def prepare(*args, tokenizer=None, **kw):
     "Validate and tokenize a ShareGPT file for a target (see `PrepareConfig`); save the dataset and `report.json`; return the dataset."
     job = args[0] if args and isinstance(args[0], Job) else PrepareConfig(*args, **kw)
     t0, out = time.time(), Path(job.out)
+    print(job.announce())
     tok = tokenizer or load_tokenizer(job.target)
     convs, problems = load_conversations(job.data, job.max_samples)
     rows = len(convs) + len(problems)

@@ -350,6 +350,7 @@ def evaluate_job(*args, **kw):
     "Decode prompts with the target alone and with each drafter; tau per file and drafter, losslessness, results.json (see `EvalConfig`)."
     job = args[0] if args and isinstance(args[0], Job) else EvalConfig(*args, **kw)
     out = Path(job.out); out.mkdir(parents=True, exist_ok=True)
+    print(job.announce())
     tok, target = load_tokenizer(job.target), load_target(job.target, job.dtype)
     drafters = {'dflash': load_drafter(job.drafter, target)} if job.drafter else {}
     drafters['ngram'] = NgramDrafter()

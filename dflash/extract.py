@@ -249,6 +249,7 @@ def extract(*args, model=None, **kw):
     if job.gpus and job.gpus > torch.cuda.device_count():
         raise RuntimeError(f'gpus={job.gpus}, but torch sees {torch.cuda.device_count()} CUDA devices')
     t0, out = time.time(), Path(job.out); out.mkdir(parents=True, exist_ok=True)
+    print(job.announce())
     with run_lock(out):
         n_workers = job.gpus or job.workers or 1
         dt = parse_dtype(job.dtype, job.gpus > 0)

@@ -5,9 +5,10 @@
 # %% auto #0
 __all__ = ['GAMMA', 'DFlashConfig', 'drafter_config', 'DFlashAttention', 'DFlashDecoderLayer', 'DFlashDraftModel', 'pad_anchors',
            'sample_anchors', 'block_mask', 'flex_block_mask', 'block_labels', 'slot_weights', 'DFlashOutput',
-           'DraftCache', 'mask_token_for', 'save_drafter']
+           'DraftCache', 'mask_token_for', 'save_drafter', 'model_card']
 
 # %% ../nbs/model.ipynb #149b3545
+import json
 from dataclasses import dataclass
 from pathlib import Path
 import torch
@@ -24,10 +25,12 @@ from .taps import default_layer_ids
 # %% ../nbs/model.ipynb #6bd87dcf
 @strict
 class DFlashConfig(Qwen3Config):
-    "A `Qwen3Config` with the DFlash fields `block_size`, `num_target_layers` and `dflash_config`."
+    "A `Qwen3Config` with the DFlash fields `block_size`, `num_target_layers`, `dflash_config` and the target it is for."
     block_size: int = 16
     num_target_layers: int | None = None
     dflash_config: dict | None = None
+    target_model: str | None = None
+    target_revision: str | None = None
 
     def __post_init__(self, **kwargs):
         dc = dict(self.dflash_config or {})
@@ -40,6 +43,12 @@ class DFlashConfig(Qwen3Config):
     def target_layer_ids(self): return list(self.dflash_config['target_layer_ids'] or [])
     @property
     def mask_token_id(self): return self.dflash_config['mask_token_id']
+
+    def to_dict(self):
+        "As saved: with a top-level `rope_theta` beside `rope_parameters` (some loaders read only that, else assume 10000)."
+        d = super().to_dict()
+        d['rope_theta'] = (d.get('rope_parameters') or {}).get('rope_theta', d.get('rope_theta'))
+        return d
 
 # %% ../nbs/model.ipynb #9fb78505
 _TARGET_ONLY_ROPE = ('partial_rotary_factor', 'mrope_section', 'mrope_interleaved')
@@ -362,8 +371,49 @@ def mask_token_for(target, given=None):
     return len(tok)
 
 # %% ../nbs/model.ipynb #86012dd6
-def save_drafter(model, path):
-    "`model.save_pretrained(path)` on any rank (transformers writes only on global rank 0; a drafter rank rarely is)."
+def save_drafter(model, path, dtype=None):
+    "`model.save_pretrained(path)` on any rank (transformers writes only on global rank 0), its weights in `dtype` if given."
     model.should_save_on_this_rank = lambda is_main_process: True
-    model.save_pretrained(path)
+    sd = None if dtype is None else {k: v.to(dtype) for k, v in model.state_dict().items()}
+    model.save_pretrained(path, state_dict=sd)
+    if dtype is not None:
+        c = json.loads((Path(path) / 'config.json').read_text()); c['dtype'] = str(dtype).removeprefix('torch.')
+        (Path(path) / 'config.json').write_text(json.dumps(c, indent=2, sort_keys=True))
     return Path(path)
+
+# %% ../nbs/model.ipynb #6367507f
+def model_card(path, training='', tau=None, measured=''):
+    "Write `path/README.md`, the model card of the drafter saved in `path`, from its config and what the caller says of its training and tau."
+    c = json.loads((Path(path) / 'config.json').read_text())
+    dc, target = c['dflash_config'], c.get('target_model') or 'the target'
+    rev = f" (revision `{c['target_revision']}`)" if c.get('target_revision') else ''
+    taus = '\n'.join(f'| {k} | {v:.2f} |' for k, v in (tau or {}).items())
+    text = f"""---
+library_name: transformers
+base_model: {target}
+tags: [dflash, speculative-decoding, draft-model]
+---
+# DFlash drafter for {target}
+
+A block-diffusion drafter ([DFlash](https://github.com/z-lab/dflash)) that drafts {c['block_size'] - 1} tokens in one pass for
+**{target}**{rev}, conditioned on the outputs of its decoder layers {dc['target_layer_ids']} (of {c.get('num_target_layers')}).
+{c['num_hidden_layers']} Qwen3-style layers, hidden size {c['hidden_size']}, block size {c['block_size']}, mask token id
+{dc['mask_token_id']}. It borrows the target's embeddings and output head, which are not in this checkpoint.
+
+## Training
+{training or 'Not recorded.'}
+
+## Acceptance length
+| drafter | tau |
+|---|---|
+{taus or '| (not measured) | |'}
+
+{measured}
+
+## Serving
+vLLM: `vllm serve {target} --speculative-config '{{"method": "dflash", "model": "PATH", "num_speculative_tokens": {c['block_size'] - 1}}}'`
+
+SGLang: `python -m sglang.launch_server --model {target} --speculative-algorithm DFLASH --speculative-draft-model-path PATH`
+"""
+    (Path(path) / 'README.md').write_text(text)
+    return Path(path) / 'README.md'

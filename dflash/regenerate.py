@@ -73,6 +73,7 @@ class RegenerateConfig(Job):
 def regenerate(*args, **kw):
     "Replace every assistant turn of a file with the target's reply (see `RegenerateConfig`); appends to `out`, returns its path."
     job = args[0] if args and isinstance(args[0], Job) else RegenerateConfig(*args, **kw)
+    print(job.announce())
     target, out_jsonl, batch_size, max_new_tokens, temperature = job.target, Path(job.out), job.batch_size, job.max_new_tokens, job.temperature
     convs, problems = load_conversations(job.data, need_answer=False); check(problems, n_rows=len(convs) + len(problems))
     convs = [dict(c, messages=_with_reply(c['messages'])) for c in convs]

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['LAYER_PATHS', 'DTYPES', 'default_layer_ids', 'check_layer_ids', 'text_config', 'decoder_layers', 'StopForward',
            'tap_layers', 'tapped', 'capture', 'pad_batch', 'parse_dtype', 'dtype_name', 'peak_mem_bytes',
-           'resolve_target', 'target_name', 'load_tokenizer', 'load_target', 'load_target_config', 'load_target_io',
-           'tokenizer_sha256', 'config_sha256']
+           'resolve_target', 'target_name', 'target_revision', 'load_tokenizer', 'load_target', 'load_target_config',
+           'load_target_io', 'tokenizer_sha256', 'config_sha256']
 
 # %% ../nbs/taps.ipynb #05c80b55
 import hashlib, importlib.util, json, os, resource
@@ -133,7 +133,10 @@ def peak_mem_bytes(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 # %% ../nbs/taps.ipynb #4025a49e
-def _offline(): return os.environ.get('HF_HUB_OFFLINE', '0').lower() in ('1', 'true', 'yes', 'on')
+def _offline():
+    "Is the hub off limits? (`HF_HUB_OFFLINE=1` when Python started, or now)"
+    from huggingface_hub import constants
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get('HF_HUB_OFFLINE', '0').lower() in ('1', 'true', 'yes', 'on')
 
 def _looks_like_path(s):
     return s.startswith(('/', './', '../', '~')) or s.count('/') > 1 or os.sep != '/' and os.sep in s
@@ -155,6 +158,13 @@ def target_name(target):
     "How outputs record `target`: the absolute path of a local directory, else the hub id."
     p = Path(str(target)).expanduser()
     return str(p.resolve()) if p.is_dir() else str(target)
+
+def target_revision(target):
+    "The commit of a hub target as found in the local cache (its snapshot), or None for a local directory."
+    if Path(str(target)).expanduser().is_dir(): return None
+    from huggingface_hub import try_to_load_from_cache
+    p = try_to_load_from_cache(str(target), 'config.json')
+    return Path(p).parent.name if isinstance(p, str) else None
 
 def load_tokenizer(target):
     "The tokenizer of `target` (a directory or hub id), or `target` itself if it already is one."

@@ -18,12 +18,12 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from .core import TINY_TARGET, TRAIN_DATA, HELDOUT_DATA, RUNS, Job, param, target_param, data_param, out_param, run_cli, write_json_atomic, append_jsonl
 from .taps import (capture, pad_batch, text_config, default_layer_ids, check_layer_ids, peak_mem_bytes, load_target, load_target_io,
-                         load_target_config, target_name)
+                         load_target_config, target_name, target_revision)
 from .data import TokenizedDataset, prepared
 from .batching import Plan, sources
 from .shards import ExtractedDataset, OfflineSource, check_extraction
-from .model import DFlashDraftModel, drafter_config, save_drafter, mask_token_for
-from .evaluate import TauProbe, NgramDrafter
+from .model import DFlashDraftModel, drafter_config, save_drafter, model_card, mask_token_for
+from .evaluate import TauProbe, NgramDrafter, tau_table
 from .dist import Coord, HSSender, OnlineSource, launch, peer_lost, store_from_env
 from .metrics import Meter, follow, progress_line
 
@@ -185,7 +185,8 @@ class Trainer:
         self.main, self.out = d == 0, Path(cfg.out)
         if self.main: self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
-        config = drafter_config(load_target_config(cfg.target), cfg.num_layers, cfg.block_size, mask_token_id, cfg.layer_ids)
+        config = drafter_config(load_target_config(cfg.target), cfg.num_layers, cfg.block_size, mask_token_id, cfg.layer_ids,
+                                target_model=target_name(cfg.target), target_revision=target_revision(cfg.target))
         self.model = DFlashDraftModel(config).to(device)
         emb, head = io or load_target_io(cfg.target, torch.bfloat16 if device.type == 'cuda' else torch.float32, device)
         self.model.attach_target(embed_tokens=emb, lm_head=head)
@@ -223,7 +224,7 @@ class Trainer:
         "Sum `x` over the drafter ranks (on the group's device: NCCL takes CUDA tensors only)."
         if self.group is None or self.cfg.drafters == 1: return x
         y = x.to(self.device); dist.all_reduce(y, group=self.group)
-        return y.to(x.device)
+        return y
 
     def micro_step(self, item, last):
         "Forward and backward of one micro-batch; gradients are synchronized on the last of a step."
@@ -370,15 +371,29 @@ def run_drafter(cfg, coord, d, plan, ds, device, group, pg, stop):
     stopped = trainer.run(src, stop.is_set, tau if probe else None)
     res = dict(step=trainer.step, total_steps=plan.total_steps, stopped=stopped, out=cfg.out)
     if stopped: coord.request_stop(stopped)
-    if d == 0 and not stopped:
-        res['drafter'] = str(save_drafter(trainer.model, Path(cfg.out) / 'drafter'))
-        if cfg.final_eval:
-            trainer.opt = None; torch.cuda.empty_cache() if device.type == 'cuda' else None   # room for the evaluation target
-            (t, r), (tn, rn) = probe(trainer.model), probe(NgramDrafter())
-            lossless = all(x['lossless'] for x in [*r.values(), *rn.values()])
-            res.update(tau=t, tau_ngram=tn, lossless=lossless, tau_by_file={f: x['tau'] for f, x in r.items()})
-            append_jsonl(Path(cfg.out) / 'metrics.jsonl', dict(step=trainer.step, tau_ngram=tn, lossless=lossless, time=time.time()))
+    if d == 0 and not stopped: res.update(_publish(cfg, trainer, probe, device))
     if d == 0: write_json_atomic(Path(cfg.out) / 'result.json', res)
+    return res
+
+def _publish(cfg, trainer, probe, device):
+    "Save the final drafter (bf16 for a real target), measure tau beside the n-gram baseline, write its model card."
+    path = save_drafter(trainer.model, Path(cfg.out) / 'drafter', None if cfg.demo else torch.bfloat16)
+    res, taus, measured = dict(drafter=str(path)), {}, ''
+    if cfg.final_eval:
+        trainer.opt = None; torch.cuda.empty_cache() if device.type == 'cuda' else None   # room for the evaluation target
+        (t, r), (tn, rn) = probe(trainer.model), probe(NgramDrafter())
+        lossless = all(x['lossless'] for x in [*r.values(), *rn.values()])
+        res.update(tau=t, tau_ngram=tn, lossless=lossless, tau_by_file={f: x['tau'] for f, x in r.items()})
+        append_jsonl(Path(cfg.out) / 'metrics.jsonl', dict(step=trainer.step, tau_ngram=tn, lossless=lossless, time=time.time()))
+        table = tau_table({f: {'dflash': r[f], 'ngram': rn[f]} for f in r})
+        print(table, flush=True)
+        taus = {'DFlash drafter': t, 'n-gram prompt lookup (same loop)': tn}
+        measured = (f"Greedy speculative decoding of {cfg.eval_prompts} prompts of each of `{cfg.eval_data}`, {cfg.eval_max_new_tokens} new "
+                    f"tokens each, at the end of training; the same measurement: `dflash_evaluate --target {target_name(cfg.target)} --drafter "
+                    f"PATH --eval-data {cfg.eval_data} --num-prompts {cfg.eval_prompts} --max-new-tokens {cfg.eval_max_new_tokens}`.\n\n```\n{table}\n```")
+    data = f'the extraction `{cfg.extracted}` (offline)' if not cfg.online else f'`{cfg.data}` (online, {cfg.targets} target ranks)'
+    model_card(path, f'{trainer.step} optimizer steps, {trainer.tokens} tokens, on {data}, with dflash: {cfg.drafters} drafter ranks, '
+                     f'lr {cfg.lr}, {cfg.num_anchors} anchors per sequence, token budget {cfg.token_budget}, seed {cfg.seed}.', taus, measured)
     return res
 
 # %% ../nbs/train.ipynb #4f921c9f
@@ -409,7 +424,7 @@ def _rank_main(config_json):
 def train(*args, **kw):
     "Train a DFlash drafter (see `TrainConfig` for the parameters); returns drafter 0's result."
     cfg = prepare_job(args[0] if args and isinstance(args[0], Job) else TrainConfig(*args, **kw))
-    print(cfg.describe())
+    print(cfg.announce())
     t0 = time.time()
     if cfg.world == 1: res = run_rank(cfg)   # one offline drafter rank runs in this process
     else:

@@ -48,3 +48,36 @@ def save_target(tok):
         model.save_pretrained(path); (tokenizer or tok).save_pretrained(path)
         return path
     return save
+
+
+# A Qwen3-style chat template (an empty think block before the last reply, as Qwen3 with thinking off), for stock targets.
+QWEN3_STYLE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' and loop.last %}"
+               "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+STOCK = {'acme/qwen3-stock': 'qwen3', 'acme/qwen3.5-stock': 'qwen3_5'}
+
+
+def save_stock(model, tok, path):
+    "Save `model` with a stock tokenizer: no mask token, a Qwen3-style template, fewer tokens than embedding rows."
+    import json
+    model.save_pretrained(path); tok.save_pretrained(path)
+    tc = json.loads((path / 'tokenizer_config.json').read_text())
+    tc.pop('mask_token', None); tc['chat_template'] = QWEN3_STYLE
+    (path / 'tokenizer_config.json').write_text(json.dumps(tc))
+    (path / 'chat_template.jinja').unlink(missing_ok=True)
+
+
+@pytest.fixture(scope='session')
+def hub_cache(tmp_path_factory, tok, make_target):
+    """A local Hugging Face cache (the layout `hf download` leaves) holding two stock targets by hub id: a dense Qwen3
+    (`acme/qwen3-stock`, untied head) and a Qwen3.5 hybrid (`acme/qwen3.5-stock`), 8 layers each, with embeddings of 64 spare
+    rows past the tokenizer (as Qwen3's 151936 rows for 151669 tokens) and tokenizers without a mask token."""
+    cache = tmp_path_factory.mktemp('hf-cache')
+    for k, (repo, kind) in enumerate(STOCK.items()):
+        extra = dict(tie_word_embeddings=False) if kind == 'qwen3' else {}
+        model = make_target(kind, layers=8, vocab=len(tok) + 64, seed=k, **extra)
+        d = cache / f"models--{repo.replace('/', '--')}"
+        sha = f'{k + 1:x}' * 40
+        save_stock(model, tok, d / 'snapshots' / sha)
+        (d / 'refs').mkdir(parents=True); (d / 'refs' / 'main').write_text(sha)
+    return cache

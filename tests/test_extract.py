@@ -252,3 +252,20 @@ def test_second_run_into_the_same_out_is_refused_while_one_runs(work):
     (work / 'busy').mkdir()
     with run_lock(work / 'busy'):
         with pytest.raises(RuntimeError, match='another extract is running'): extract(work / 'hybrid', work / 'dataset', work / 'busy', **KW)
+
+def test_last_layer_is_stored_raw_not_normed(work, hybrid):
+    "A tap on the last decoder layer stores its raw output (what serving hands a drafter), not HF's normed hidden_states[L]."
+    extract(work / 'hybrid', work / 'dataset', work / 'last', **{**KW, 'layer_ids': [3]}, max_samples=3)
+    m = AutoModelForCausalLM.from_pretrained(work / 'hybrid').eval()
+    s = ExtractedDataset(work / 'last')[0]
+    ids = s['input_ids'][None]
+    torch.testing.assert_close(s['hidden_states'], capture(m, ids, layer_ids=[3])[0], atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(s['hidden_states'], ref_states(m, ids[0], [3]), atol=1e-3)   # hidden_states[4] is after the final norm
+
+def test_max_samples_extracts_a_prefix_that_is_not_complete(work):
+    "max_samples extracts the first samples; the manifest says complete only when the whole dataset is there."
+    r = extract(work / 'hybrid', work / 'dataset', work / 'prefix', **KW, max_samples=10)
+    assert not r['complete'] and r['num_samples'] == 10 and not read_manifest(work / 'prefix')['complete']
+    with pytest.raises(ValueError, match='not complete'): ExtractedDataset(work / 'prefix', require_complete=True)
+    r = extract(work / 'hybrid', work / 'dataset', work / 'prefix', **KW)     # the rest: resumed, now complete
+    assert r['complete'] and r['skipped'] == 10 and r['num_samples'] == 43

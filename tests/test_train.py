@@ -151,3 +151,12 @@ def test_ddp_2x2_grad_accum(work, tmp_path):
     ls = losses(out)
     assert r['step'] == 6 and sorted(ls) == list(range(1, 7)) and ls[6] < ls[1]
     assert json.loads((out / 'checkpoints/step-6/COMPLETE').read_text())['step'] == 6
+
+def test_collectives_run_on_the_group_device(monkeypatch):
+    "drafters > 1 on CUDA: NCCL takes tensors on the group's device only, so every all-reduce gets its tensor moved there."
+    from types import SimpleNamespace
+    from dflash.train import Trainer
+    seen = []
+    monkeypatch.setattr(torch.distributed, 'all_reduce', lambda t, group=None: seen.append(t.device))
+    drafter = SimpleNamespace(group=object(), cfg=SimpleNamespace(drafters=2), device=torch.device('meta'))   # a device that is not the CPU
+    assert Trainer.all_sum(drafter, torch.ones(3)).device.type == 'meta' and seen == [torch.device('meta')]

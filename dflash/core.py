@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['ROOT', 'DATA', 'TINY_TARGET', 'TRAIN_DATA', 'HELDOUT_DATA', 'RUNS', 'write_json_atomic', 'read_jsonl', 'append_jsonl',
            'read_metrics', 'file_sha256', 'Feeder', 'param', 'target_param', 'data_param', 'out_param', 'check_param',
-           'Job', 'job_parser', 'run_cli']
+           'Job', 'claim_out', 'set_aside', 'job_parser', 'run_cli']
 
 # %% ../nbs/core.ipynb #d0542ba4
 import argparse, hashlib, json, os, queue, sys, tempfile, threading, time, traceback, types, typing
@@ -176,6 +176,34 @@ class Job:
         "Write the resolved parameters, with their origins, to `path` (JSON)."
         return write_json_atomic(path, dict(job=type(self).__name__, config=self.to_dict(), origins=self.origins))
 
+# %% ../nbs/core.ipynb #a3f35616
+_OWNERS = {'manifest.json': 'ExtractConfig', 'meta.json': 'PrepareConfig', 'run.json': 'TrainConfig', 'checkpoints': 'TrainConfig',
+           'results.json': 'EvalConfig'}
+
+def claim_out(out, job):
+    "`out` as a Path, if it is missing, empty, or holds `job`'s own kind of results; else a `ValueError` naming what it holds."
+    out = Path(out)
+    if out.exists() and not out.is_dir(): raise NotADirectoryError(f'out: {out} is a file, not a directory')
+    if not out.exists(): return out
+    name, c = type(job).__name__, out / 'config.json'
+    owner = None
+    if c.exists():
+        try: owner = json.loads(c.read_text()).get('job') or 'not a dflash job'
+        except (json.JSONDecodeError, AttributeError): owner = 'not a dflash job'
+    owner = owner or next((j for f, j in _OWNERS.items() if (out / f).exists()), None)
+    if owner and owner != name: raise ValueError(f'out: {out} holds the results of another job ({owner}); choose another out for this {name}')
+    return out
+
+def set_aside(out, names):
+    "Move the entries `names` of `out` into a new `out/previous-<time>/` (nothing is deleted); returns that folder, or None."
+    present = [n for n in names if (Path(out) / n).exists()]
+    if not present: return None
+    dest = Path(out) / time.strftime('previous-%Y%m%d-%H%M%S')
+    while dest.exists(): dest = dest.with_name(dest.name + '+')
+    dest.mkdir()
+    for n in present: os.replace(Path(out) / n, dest / n)
+    return dest
+
 # %% ../nbs/core.ipynb #40607e57
 def _parse(f):
     kinds = _kinds(f.type)
@@ -188,7 +216,8 @@ def _parse(f):
                 except ValueError:
                     if str not in kinds and not (k is int and float in kinds): raise
         return s
-    conv.__name__ = _type_name(f.type)   # argparse names it in its error message
+    conv.__name__ = ' or '.join({int: 'integer', float: 'number', str: 'string', list: 'list of integers', type(None): 'None'}.get(k, k.__name__)
+                                for k in kinds)   # argparse says "invalid integer value: 'four'"
     return conv
 
 def job_parser(job, prog, description=None):
@@ -204,9 +233,9 @@ def job_parser(job, prog, description=None):
     return p
 
 # %% ../nbs/core.ipynb #2cdbb667
-def _log_traceback(prog, out):
-    d = Path(out) if out and Path(out).is_dir() else Path(tempfile.gettempdir())
-    p = d / f'{prog}.error.log'
+def _log_traceback(prog):
+    "The traceback being handled, in a file of its own (not in `out`, which may belong to another job)."
+    p = Path(tempfile.gettempdir()) / f'{prog}-{time.strftime("%Y%m%d-%H%M%S")}-{os.getpid()}.error.log'
     try: p.write_text(traceback.format_exc())
     except OSError: return None
     return p
@@ -221,7 +250,7 @@ def run_cli(main, job, prog, argv=None):
         print(f'{prog}: interrupted', file=sys.stderr); sys.exit(130)
     except Exception as e:
         if debug: raise
-        log = _log_traceback(prog, a.get('out'))
+        log = _log_traceback(prog)
         msg = str(e).strip() or type(e).__name__
         print(f'{prog}: error: {msg}' + (f'\n  (traceback: {log})' if log else ''), file=sys.stderr)
         sys.exit(1)

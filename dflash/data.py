@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
-from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, out_param, run_cli, write_json_atomic, file_sha256
+from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, out_param, run_cli, claim_out, write_json_atomic, file_sha256
 from .taps import load_tokenizer, target_name, tokenizer_sha256
 
 # %% ../nbs/data.ipynb #71bb31c6
@@ -288,6 +288,7 @@ class PrepareConfig(Job):
     min_loss_tokens: int = param(1, 'drop samples with fewer trainable tokens than this', min=0)
     strict: bool = param(False, 'stop with a list of the bad rows instead of skipping them')
     max_samples: int | None = param(None, 'only read the first rows', min=1)
+    allow_empty: bool = param(False, 'save an empty dataset when no row is usable, instead of stopping with the reasons')
 
     def check(self):
         if self.data is None: self.set('data', str(TRAIN_DATA), 'the embedded train split')
@@ -309,23 +310,29 @@ def _report(report, problems):
 def prepare(*args, tokenizer=None, **kw):
     "Validate and tokenize a ShareGPT file for a target (see `PrepareConfig`); save the dataset and `report.json`; return the dataset."
     job = args[0] if args and isinstance(args[0], Job) else PrepareConfig(*args, **kw)
-    t0, out = time.time(), Path(job.out)
+    t0, out = time.time(), claim_out(job.out, job)
     print(job.announce())
     tok = tokenizer or load_tokenizer(job.target)
     convs, problems = load_conversations(job.data, job.max_samples)
     rows = len(convs) + len(problems)
     report = dict(file=str(Path(job.data).resolve()), target=target_name(job.target), rows=rows, max_length=job.max_length,
                   min_loss_tokens=job.min_loss_tokens)
-    def fail(probs, what, n):
+    def failed_report(probs):
+        "The report of a run that stops: beside an earlier dataset, which stays as it was."
         out.mkdir(parents=True, exist_ok=True)
-        name = 'report-failed.json' if (out / 'meta.json').exists() else 'report.json'   # an earlier dataset stays as it was
+        name = 'report-failed.json' if (out / 'meta.json').exists() else 'report.json'
         write_json_atomic(out / name, _report(report, probs))
-        check([p for p in probs if p['reason'] != 'too few loss tokens'], True, n, what)
+        return name
+    def fail(probs, what, n): failed_report(probs); check([p for p in probs if p['reason'] != 'too few loss tokens'], True, n, what)
     if job.strict and problems: fail(problems, 'rows', rows)
     samples, tprobs, n_trunc = encode_all(tok, convs, job.max_length, job.min_loss_tokens)
     bad_template = [p for p in tprobs if p['reason'] == 'template error']
     if job.strict and bad_template: fail(problems + tprobs, 'conversations', len(convs))
     check(problems + bad_template, False, rows)
+    if not samples and not job.allow_empty:
+        counts, name = Counter(p['reason'] for p in problems + tprobs), failed_report(problems + tprobs)
+        raise DataError(f'{job.data}: none of its {rows} rows is usable (' + ', '.join(f'{n} {r}' for r, n in counts.most_common())
+                        + f'); the rows and reasons are in {out / name}; allow_empty=True saves an empty dataset')
     meta = dict(source=report['file'], tokenizer=report['target'], max_length=job.max_length, min_loss_tokens=job.min_loss_tokens,
                 chat_template_sha256=hashlib.sha256(str(tok.chat_template).encode()).hexdigest(), tokenizer_sha256=tokenizer_sha256(tok),
                 truncated=n_trunc)

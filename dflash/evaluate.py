@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
-from .core import TINY_TARGET, HELDOUT_DATA, RUNS, Job, param, target_param, out_param, run_cli, write_json_atomic
-from .taps import tap_layers, tapped, load_target, load_tokenizer, target_name
+from .core import TINY_TARGET, HELDOUT_DATA, RUNS, Job, param, target_param, out_param, run_cli, write_json_atomic, claim_out
+from .taps import tap_layers, tapped, load_target, load_target_config, load_tokenizer, target_name
 from .data import BadRow, DataError, load_conversations, prompt_of
-from .model import DFlashDraftModel
+from .model import DFlashDraftModel, check_drafter
 
 # %% ../nbs/evaluate.ipynb #f8aaecc3
 def load_prompts(tok, path=HELDOUT_DATA, n=8):
@@ -349,10 +349,12 @@ def tau_table(results):
 def evaluate_job(*args, **kw):
     "Decode prompts with the target alone and with each drafter; tau per file and drafter, losslessness, results.json (see `EvalConfig`)."
     job = args[0] if args and isinstance(args[0], Job) else EvalConfig(*args, **kw)
-    out = Path(job.out); out.mkdir(parents=True, exist_ok=True)
+    out = claim_out(job.out, job)
     print(job.announce())
+    if job.drafter: check_drafter(DFlashDraftModel.config_class.from_pretrained(job.drafter), load_target_config(job.target), job.target)
     tok, target = load_tokenizer(job.target), load_target(job.target, job.dtype)
     drafters = {'dflash': load_drafter(job.drafter, target)} if job.drafter else {}
+    out.mkdir(parents=True, exist_ok=True); job.save(out / 'config.json')
     drafters['ngram'] = NgramDrafter()
     B = drafters['dflash'].block_size if job.drafter else 16
     results = {}

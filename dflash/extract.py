@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 import torch
-from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, data_param, out_param, run_cli
+from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, data_param, out_param, run_cli, claim_out
 from .taps import (capture, pad_batch, text_config, check_layer_ids, default_layer_ids, parse_dtype, dtype_name, peak_mem_bytes,
                          load_target, load_target_config, target_name, config_sha256)
 from .data import TokenizedDataset, prepared
@@ -214,7 +214,7 @@ class ExtractConfig(Job):
     max_samples: int | None = param(None, 'extract only the first N samples of the dataset; None: all', min=1)
     dtype: str | None = param(None, "the target's dtype: bf16, fp16 or fp32; None: bf16 on GPU, fp32 on CPU", choices=_STORE[:-1])
     store_dtype: str | None = param(None, 'stored dtype: bf16, fp16, fp32, or fp8 (e4m3 with a per-token scale); None: dtype', choices=_STORE)
-    overwrite: bool = param(False, 'start over in an out made with another target, layers, dtype or data')
+    overwrite: bool = param(False, 'start over in an out made with another target, layers, dtype or data (the earlier one is moved to out/previous-*)')
     max_length: int = param(2048, 'tokens per sample, when preparing a ShareGPT file', min=2)
     shard_mb: float = param(256.0, 'shard size in MiB', min=0.001)
     write_queue: int = param(4, 'batches waiting for the writer at most', min=1)
@@ -248,7 +248,7 @@ def extract(*args, model=None, **kw):
     if model is not None and (job.gpus > 1 or (job.workers or 1) > 1): raise ValueError('model= (an already loaded target) is for single-worker runs')
     if job.gpus and job.gpus > torch.cuda.device_count():
         raise RuntimeError(f'gpus={job.gpus}, but torch sees {torch.cuda.device_count()} CUDA devices')
-    t0, out = time.time(), Path(job.out); out.mkdir(parents=True, exist_ok=True)
+    t0, out = time.time(), claim_out(job.out, job); out.mkdir(parents=True, exist_ok=True)
     print(job.announce())
     with run_lock(out):
         n_workers = job.gpus or job.workers or 1

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['GAMMA', 'DFlashConfig', 'drafter_config', 'DFlashAttention', 'DFlashDecoderLayer', 'DFlashDraftModel', 'pad_anchors',
            'sample_anchors', 'block_mask', 'flex_block_mask', 'block_labels', 'slot_weights', 'DFlashOutput',
-           'DraftCache', 'mask_token_for', 'save_drafter', 'model_card']
+           'DraftCache', 'check_drafter', 'mask_token_for', 'save_drafter', 'model_card']
 
 # %% ../nbs/model.ipynb #149b3545
 import json
@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, Qwen3Config
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 from transformers.utils import ModelOutput
-from .taps import default_layer_ids
+from .taps import default_layer_ids, config_sha256
 
 # %% ../nbs/model.ipynb #6bd87dcf
 @strict
@@ -31,6 +31,7 @@ class DFlashConfig(Qwen3Config):
     dflash_config: dict | None = None
     target_model: str | None = None
     target_revision: str | None = None
+    target_config_sha256: str | None = None
 
     def __post_init__(self, **kwargs):
         dc = dict(self.dflash_config or {})
@@ -358,6 +359,19 @@ def _new_cache(self):
     return DraftCache()
 
 DFlashDraftModel.draft, DFlashDraftModel.new_cache = _draft, _new_cache
+
+# %% ../nbs/model.ipynb #61405465
+def check_drafter(dconfig, target_config, target=''):
+    "Refuse a drafter (its `DFlashConfig`) on a target of `target_config`, naming what does not match."
+    tc, problems = target_config.get_text_config(), []
+    if dconfig.hidden_size != tc.hidden_size: problems.append(f"hidden size {dconfig.hidden_size}, the target's {tc.hidden_size}")
+    if dconfig.vocab_size != tc.vocab_size: problems.append(f"vocabulary {dconfig.vocab_size}, the target's {tc.vocab_size}")
+    if bad := [k for k in dconfig.target_layer_ids if not 0 <= k < tc.num_hidden_layers]:
+        problems.append(f'tapped layers {bad}, but the target has {tc.num_hidden_layers} layers')
+    if not problems and dconfig.target_config_sha256 and dconfig.target_config_sha256 != config_sha256(target_config):
+        problems.append(f"it was trained for {dconfig.target_model or 'another target'}, whose config differs")
+    if problems: raise ValueError(f'the drafter does not fit the target {target}: ' + '; '.join(problems))
+    return dconfig
 
 # %% ../nbs/model.ipynb #1d1c4c6f
 def mask_token_for(target, given=None):

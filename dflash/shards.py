@@ -8,13 +8,13 @@ __all__ = ['FP8_MAX', 'FORMAT', 'MANIFEST', 'HEADER_KEYS', 'quantize_fp8', 'dequ
            'CorruptShard', 'ExtractedDataset', 'load_sample', 'check_extraction', 'collate', 'OfflineSource']
 
 # %% ../nbs/shards.ipynb #2fcff162
-import fcntl, json, os, queue, threading, warnings
+import fcntl, json, os, queue, sys, threading
 from contextlib import contextmanager
 from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from .core import Feeder, file_sha256, write_json_atomic
+from .core import Feeder, file_sha256, write_json_atomic, set_aside
 from .taps import config_sha256, tokenizer_sha256, load_target_config, load_tokenizer
 
 # %% ../nbs/shards.ipynb #1e8f6304
@@ -86,8 +86,10 @@ class ShardFile:
         return entry
 
     def abort(self):
-        "Drop the unfinished shard."
-        self.f.close(); self.tmp.unlink(missing_ok=True)
+        "Drop the unfinished shard (its file may not even close, on a full disk)."
+        try: self.f.close()
+        except OSError: pass
+        self.tmp.unlink(missing_ok=True)
 
 # %% ../nbs/shards.ipynb #0241c02f
 MANIFEST = 'manifest.json'
@@ -131,7 +133,7 @@ class ShardWriter:
     def put(self, item):
         "Queue one host batch (blocks while the queue is full)."
         while True:
-            if self.error is not None: raise RuntimeError(f'shard writer of rank {self.rank} failed: {self.error!r}') from self.error
+            if self.error is not None: raise self._failure()
             try: return self.q.put(item, timeout=0.2)
             except queue.Full: pass
 
@@ -140,8 +142,16 @@ class ShardWriter:
     def close(self):
         "Write what is left and stop the thread."
         if self.thread.is_alive(): self.put(None); self.thread.join()
-        if self.error is not None: raise RuntimeError(f'shard writer of rank {self.rank} failed: {self.error!r}') from self.error
+        if self.error is not None: raise self._failure()
         return self.entries
+
+    def _failure(self):
+        e = self.error
+        what = f'{type(e).__name__}: {e.strerror}' if isinstance(e, OSError) and e.strerror else f'{type(e).__name__}: {e}'
+        err = RuntimeError(f'shard writer of rank {self.rank} failed writing {self.failed_file}: {what} (nothing half-written is kept; '
+                           'free space and run the same command to resume)')
+        err.__cause__ = e
+        return err
 
     def __enter__(self): return self
     def __exit__(self, *exc):
@@ -162,7 +172,7 @@ class ShardWriter:
                 if shard.nbytes >= self.shard_bytes: self._finish(shard); shard = None
             if shard is not None: self._finish(shard); shard = None
         except BaseException as e:
-            self.error = e
+            self.error, self.failed_file = e, shard.tmp if shard is not None else self.out
             if shard is not None: shard.abort()
 
     def _finish(self, shard):
@@ -189,12 +199,12 @@ def _intact(out, s):
     return None
 
 def open_out(out, header, overwrite=False):
-    "Create `out`'s manifest from `header`, or check an existing one (refusing a mismatch unless `overwrite`); delete orphans. Returns it."
+    "Create `out`'s manifest from `header`, or check an existing one (a mismatch is refused, or set aside with `overwrite`); delete orphans."
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     with manifest_lock(out):
         m = read_manifest(out)
-        if m is not None and overwrite:
-            for p in [*out.glob('shard-*.safetensors'), *out.glob('*.tmp'), out / 'metrics.jsonl', out / MANIFEST]: p.unlink(missing_ok=True)
+        if m is not None and overwrite:                          # the earlier extraction goes to out/previous-<time>/, whole
+            set_aside(out, [p.name for p in [*out.glob('shard-*.safetensors'), out / 'metrics.jsonl', out / MANIFEST, out / 'config.json']])
             m = None
         if m is not None:
             diff = [f'{k}={m.get(k)!r} (now {header[k]!r})' for k in HEADER_KEYS if m.get(k) != header[k]]
@@ -202,7 +212,7 @@ def open_out(out, header, overwrite=False):
             kept = []
             for s in m['shards']:
                 if (why := _intact(out, s)) is None: kept.append(s)
-                else: warnings.warn(f'{out / s["file"]}: {why}; its {s["num_samples"]} samples are extracted again')
+                else: print(f'{out / s["file"]}: {why}; its {s["num_samples"]} samples are extracted again', file=sys.stderr, flush=True)
             m.update(shards=kept, complete=False)
         else: m = dict(format=FORMAT, **header, shards=[], complete=False)
         listed = {s['file'] for s in m['shards']}

@@ -44,7 +44,8 @@ def test_every_parameter_has_help_and_a_cli_option(name):
 
 @pytest.mark.parametrize('name,bad,msg', [('extract', ['-p', 'gpus', 'four'], "gpus='four': must be an integer"),
                                           ('train', ['-p', 'lr', '-1'], 'lr=-1.0: must be >= 0'),
-                                          ('data', ['-p', 'max_length', '-5'], 'max_length=-5: must be >= 2')])
+                                          ('data', ['-p', 'max_length', '-5'], 'max_length=-5: must be >= 2'),
+                                          ('evaluate', ['-p', 'drafter', '/nonexistent'], 'is not a drafter checkpoint')])
 def test_papermill_bad_parameter_stops_at_the_check(name, bad, msg, tmp_path):
     "A bad parameter stops the job in the cell right after the parameters: none of the notebook's lessons run first."
     out = tmp_path / 'out.ipynb'

@@ -11,7 +11,7 @@ export PYTHONHASHSEED := 0
 # Tiny models on few cores: one intra-op thread per process beats oversubscribed OpenMP spinning.
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
-.PHONY: setup demo test test-nbs test-py check-sync readme bench clean-venv
+.PHONY: setup demo test test-nbs test-py check-sync readme bench chaos gpu-check clean-venv
 setup: $(STAMP)
 
 $(STAMP): settings.ini setup.py Makefile
@@ -51,6 +51,17 @@ test: check-sync test-nbs test-py
 
 bench: setup
 	$(PY) bench/extract.py
+	$(PY) bench/train.py
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Interrupt extraction and training at random moments (SIGKILL, SIGTERM, a full disk, a rank dying), resume, and check
+# the result is identical to an uninterrupted run. `make test` runs one trial of each job.
+chaos: setup
+	$(TEST_ENV) $(PY) tools/chaos.py --n $(or $(N),50)
+
+# Every GPU path once (flex attention, a bf16 step, extraction against naive and bare, the token-budget probe and an
+# OOM, the online pipeline), about 8 minutes on one H200; the report goes to runs/gpu-check/ for BENCHMARKS.md.
+gpu-check: setup
+	$(PY) tools/gpu_check.py

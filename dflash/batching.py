@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['DEFAULT_TOKEN_BUDGET', 'DEFAULT_MAX_BATCH_SIZE', 'padded_tokens', 'token_budget_batches', 'shuffle_batches',
-           'split_batches', 'worker_loads', 'load_ratio', 'batch_stats', 'plot_batch_sizes', 'Plan', 'sources']
+           'split_batches', 'worker_loads', 'load_ratio', 'batch_stats', 'plot_batch_sizes', 'Plan', 'sources',
+           'served']
 
 # %% ../nbs/batching.ipynb #041439ea
 import heapq, warnings
@@ -127,5 +128,9 @@ class Plan:
     def tokens(self, batch): return int(self.lengths[batch].sum())
 
 def sources(d, targets, drafters):
-    "Target ranks feeding drafter `d`."
-    return [t for t in range(targets) if t % drafters == d]
+    "Target ranks feeding drafter `d`: those with `t % drafters == d`; with fewer targets than drafters, target `d % targets`."
+    return [t for t in range(targets) if t % drafters == d] if targets >= drafters else [d % targets]
+
+def served(t, targets, drafters):
+    "Drafter ranks target `t` feeds: `t % drafters`; with fewer targets than drafters, every `d` with `d % targets == t`."
+    return [t % drafters] if targets >= drafters else [d for d in range(drafters) if d % targets == t]

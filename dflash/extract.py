@@ -6,7 +6,8 @@
 __all__ = ['to_host', 'find_token_budget', 'Extractor', 'plan_batches', 'ExtractConfig', 'extract', 'extract_cli']
 
 # %% ../nbs/extract.ipynb #f902216b
-import json, queue, time, traceback
+import ctypes, json, os, queue, signal, threading, time, traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
@@ -156,8 +157,15 @@ def _run_worker(rank, cfg, batches, report, model=None):
         ex.run(batches)
         if device.type == 'cuda': torch.cuda.synchronize(device)
 
-def _worker_main(rank, cfg, batches, q):
+def _die_with(parent):
+    "Linux: this process is killed when `parent` dies, so no worker outlives an extraction killed from outside."
+    try: ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError): return
+    if os.getppid() != parent: os._exit(1)                              # the parent died before the call
+
+def _worker_main(rank, cfg, batches, q, parent=None):
     "Entry point of a spawned worker process: reports go to the queue `q`."
+    if parent: _die_with(parent)
     try:
         _run_worker(rank, cfg, batches, q.put)
         q.put(dict(kind='done', rank=rank))
@@ -170,7 +178,7 @@ def _run_processes(cfgs, parts, monitor):
     ctx = torch.multiprocessing.get_context('spawn')
     q = ctx.Queue()
     ranks = [r for r in range(len(cfgs)) if parts[r]]                   # a worker with no batches is not started
-    procs = {r: ctx.Process(target=_worker_main, args=(r, cfgs[r], parts[r], q), name=f'dflash-extract-w{r}') for r in ranks}
+    procs = {r: ctx.Process(target=_worker_main, args=(r, cfgs[r], parts[r], q, os.getpid()), name=f'dflash-extract-w{r}') for r in ranks}
     for p in procs.values(): p.start()
     done = set()
     def handle(msg):
@@ -242,6 +250,15 @@ def _header(job, config, ds, dt, store):
                 dataset_sha256=ds.fingerprint(), tokenizer_sha256=ds.meta.get('tokenizer_sha256'), num_target_layers=tc.num_hidden_layers,
                 hidden_size=tc.hidden_size, dataset=str(ds.path))
 
+@contextmanager
+def _sigterm_stops():
+    "SIGTERM raises KeyboardInterrupt in the main thread, so an extraction stopped from outside stops its workers on the way out."
+    if threading.current_thread() is not threading.main_thread(): yield; return
+    def stop(signum, frame): raise KeyboardInterrupt(f'stopped by {signal.Signals(signum).name}')
+    old = signal.signal(signal.SIGTERM, stop)
+    try: yield
+    finally: signal.signal(signal.SIGTERM, old)
+
 def extract(*args, model=None, **kw):
     "Extract the tapped hidden states of a target over a dataset into safetensors shards (see `ExtractConfig`); resumable. Returns a summary."
     job = args[0] if args and isinstance(args[0], Job) else ExtractConfig(*args, **kw)
@@ -250,7 +267,7 @@ def extract(*args, model=None, **kw):
         raise RuntimeError(f'gpus={job.gpus}, but torch sees {torch.cuda.device_count()} CUDA devices')
     t0, out = time.time(), claim_out(job.out, job); out.mkdir(parents=True, exist_ok=True)
     print(job.announce())
-    with run_lock(out):
+    with run_lock(out), _sigterm_stops():
         n_workers = job.gpus or job.workers or 1
         dt = parse_dtype(job.dtype, job.gpus > 0)
         store = None if job.store_dtype is None else 'fp8' if job.store_dtype == 'fp8' else dtype_name(parse_dtype(job.store_dtype))

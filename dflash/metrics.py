@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['Monitor', 'plot_throughput', 'Meter', 'fmt_time', 'fmt_bytes', 'progress_line', 'follow', 'plot_dashboard',
-           'diagnose']
+           'pipeline_rate', 'best_split', 'diagnose']
 
 # %% ../nbs/metrics.ipynb #64b80051
 import json, math, time
@@ -156,7 +156,10 @@ def plot_dashboard(out, save=True):
             else: ax.plot(steps, A[:, k], color=c, lw=0.6)
         ax.set(xlabel='step', ylabel='accuracy', title='accuracy per slot', ylim=(0, 1)); ax.legend(fontsize=7)
     def thr(ax):
-        ax.plot(el, [m['tokens_per_s'] / 1e3 for m in recs], label='drafter Ktok/s')
+        ax.plot(el, [m['tokens_per_s'] / 1e3 for m in recs], label='Ktok/s')
+        if (out / 'calibration.json').exists():
+            ax.axhline(json.loads((out / 'calibration.json').read_text())['predicted'] / 1e3, ls='--', color='C3', label='predicted')
+            ax.legend(fontsize=7, loc='lower left')
         ax.set(xlabel='elapsed (s)', ylabel='Ktok/s', title='throughput', ylim=(0, None))
         a2 = ax.twinx()
         a2.plot(el, [m['drafter_batches_per_s'] for m in recs], '--', color='C1', label='drafter batches/s')
@@ -177,31 +180,48 @@ def plot_dashboard(out, save=True):
     return fig
 
 # %% ../nbs/metrics.ipynb #58aa20c5
+def pipeline_rate(targets, drafters, rt, rd):
+    "Tokens/s of a pipeline of `targets` ranks at `rt` feeding `drafters` ranks at `rd` tokens/s each."
+    return min(targets * rt, drafters * rd)
+
+def best_split(ranks, rt, rd):
+    "`(targets, drafters, tokens/s)`: the split of `ranks` ranks with the highest pipeline rate."
+    t = max(range(1, ranks), key=lambda t: (pipeline_rate(t, ranks - t, rt, rd), -t))
+    return t, ranks - t, pipeline_rate(t, ranks - t, rt, rd)
+
+# %% ../nbs/metrics.ipynb #0d7eb486
 def diagnose(out, idle=0.15):
-    "One paragraph: target-bound, drafter-bound or balanced, from the queue depth and each side's idle time, and what to change."
+    "One paragraph: target-bound, drafter-bound or balanced, from the queue depth and each side's idle time, and what to change, in numbers."
     recs = _train_records(out)
     if len(recs) > 2: recs = recs[1:]                      # the first interval includes start-up
     if not recs: return 'no training records yet'
-    job = json.loads((Path(out) / 'run.json').read_text())['config'] if (Path(out) / 'run.json').exists() else {}
+    out = Path(out)
+    job = json.loads((out / 'run.json').read_text())['config'] if (out / 'run.json').exists() else {}
     T, D = job.get('targets', 0), job.get('drafters', 1)
     q, cap = float(np.mean([m['q_hs'] for m in recs])), recs[0]['q_capacity']
     di = float(np.mean([m['drafter_idle'] for m in recs]))
     ti = [m['target_idle'] for m in recs if m.get('target_idle') is not None]
     ti = float(np.mean(ti)) if ti else None
-    ktok = float(np.mean([m['tokens_per_s'] for m in recs])) / 1e3
-    head = (f'{ktok:.1f} Ktok/s; HS queue {q:.1f} of {cap} batches on average; drafter idle (waiting for data) {100 * di:.0f}% '
+    tok = float(np.mean([m['tokens_per_s'] for m in recs]))
+    head = (f'{tok / 1e3:.1f} Ktok/s; HS queue {q:.1f} of {cap} batches on average; drafter idle (waiting for data) {100 * di:.0f}% '
             + (f'and targets idle (waiting for credits) {100 * ti:.0f}% of the time. ' if ti is not None else 'of the time. '))
     if job.get('extracted'):
         if di > idle: return head + ('Offline and input-bound: the prefetcher cannot keep up with the drafter; read from faster '
                                      'storage, store fp8 or bf16 hidden states, or raise q_depth (prefetch depth).')
         return head + 'Offline and compute-bound: the drafter is busy all the time; add drafter ranks to go faster.'
+    cal = out / 'calibration.json'
+    if cal.exists():
+        c = json.loads(cal.read_text())
+        head += f"Predicted before the run: {c['predicted'] / 1e3:.1f} Ktok/s; achieved {tok / c['predicted']:.0%} of it. "
+    if ti is None: return head
+    rd, rt = tok / D / max(1 - di, 0.05), tok / max(T, 1) / max(1 - ti, 0.05)      # what one busy rank of each side did
+    t, d, rate = best_split(T + D, rt, rd)
+    split = (f'One target rank ran at about {rt / 1e3:.1f} Ktok/s and one drafter rank at {rd / 1e3:.1f} Ktok/s: '
+             + (f'{t} targets : {d} drafters would run ~{rate / 1e3:.1f} Ktok/s. ' if (t, d) != (T, D) else f'this split ({T}:{D}) is the best of {T + D} ranks. '))
     if di > idle and q < 0.3 * cap:
-        fix = f'move a rank from drafters to targets (targets={T + 1}, drafters={D - 1})' if D > 1 else f'add target ranks (targets={T + 1})'
-        return head + (f'Target-bound: the drafter waits behind an empty queue, so the targets are the bottleneck. {fix.capitalize()}, '
-                       'or raise token_budget so each target forward carries more tokens (if target memory allows).')
-    if ti is not None and ti > idle and q > 0.6 * cap:
-        fix = f'move a rank from targets to drafters (targets={T - 1}, drafters={D + 1})' if T > D else f'add drafter ranks (drafters={D + 1})'
-        return head + (f'Drafter-bound: the targets wait for credits behind a full queue, so the drafter is the bottleneck. {fix.capitalize()}, '
-                       'or lower num_anchors (drafter work per batch).')
-    return head + ('Balanced: neither side waits much for the other. To go faster, raise token_budget (if memory allows) '
-                   'or add ranks to both sides in the same ratio.')
+        return head + 'Target-bound: the drafter waits behind an empty queue, so the targets are the bottleneck. ' + split + (
+            'Or raise token_budget so each target forward carries more tokens (if target memory allows).')
+    if ti > idle and q > 0.6 * cap:
+        return head + 'Drafter-bound: the targets wait for credits behind a full queue, so the drafter is the bottleneck. ' + split + (
+            'Or lower num_anchors (drafter work per batch).')
+    return head + 'Balanced: neither side waits much for the other. ' + split

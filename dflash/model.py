@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['GAMMA', 'DFlashConfig', 'drafter_config', 'DFlashAttention', 'DFlashDecoderLayer', 'DFlashDraftModel', 'pad_anchors',
-           'sample_anchors', 'block_mask', 'flex_block_mask', 'block_labels', 'slot_weights', 'DFlashOutput',
+           'sample_anchors', 'block_mask', 'flex_block_mask', 'block_labels', 'slot_weights', 'DFlashOutput', 'HeadCE',
            'DraftCache', 'check_drafter', 'mask_token_for', 'save_drafter', 'model_card']
 
 # %% ../nbs/model.ipynb #149b3545
@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedModel, Qwen3Config
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -273,12 +272,44 @@ class DFlashOutput(ModelOutput):
     logits: torch.Tensor | None = None
 
 # %% ../nbs/model.ipynb #b0854cee
-def _head_ce(drafter, h, labels, w):
-    "Sum of w*CE and argmax hits of rows `h` [N, H] through the target's head."
-    logits = drafter.logits(h).float()
-    ce = F.cross_entropy(logits, labels, reduction='none')
-    return (w * ce).sum(), (logits.argmax(-1) == labels).float()
+class HeadCE(torch.autograd.Function):
+    "Sum of `w * CE(h @ W.T, labels)` over rows `h` [N, H], chunk by chunk, with its gradient in `h` made in the forward; and argmax hits."
+    @staticmethod
+    def forward(ctx, h, weight, bias, labels, w, chunk):
+        N = len(labels)
+        loss, hits, grad = torch.zeros((), dtype=torch.float32, device=h.device), torch.empty(N, dtype=torch.bool, device=h.device), torch.empty_like(h)
+        rows = torch.arange(min(chunk, max(N, 1)), device=h.device)
+        for i in range(0, N, chunk):
+            x, y, wi = h[i:i + chunk], labels[i:i + chunk], w[i:i + chunk].float()
+            logits = F.linear(x.to(weight.dtype), weight, bias).float()
+            lse = logits.logsumexp(-1)
+            loss += (wi * (lse - logits.gather(1, y[:, None])[:, 0])).sum()
+            hits[i:i + chunk] = logits.argmax(-1) == y
+            p = (logits - lse[:, None]).exp_()                              # softmax, in place of the logits
+            p[rows[:len(y)], y] -= 1
+            grad[i:i + chunk] = (p.mul_(wi[:, None]).to(weight.dtype) @ weight).to(h.dtype)
+        ctx.save_for_backward(grad)
+        return loss, hits
 
+    @staticmethod
+    def backward(ctx, dloss, dhits):
+        grad, = ctx.saved_tensors
+        return grad * dloss, None, None, None, None, None
+
+def _head_ce(drafter, h, labels, w, chunk=4096):
+    "`(sum of w*CE, hits)` of rows `h` through the target's head: `HeadCE` when training, plain chunks otherwise."
+    head = drafter._io()[1]
+    b = getattr(head, 'bias', None)
+    if torch.is_grad_enabled():
+        return HeadCE.apply(h, head.weight.detach(), None if b is None else b.detach(), labels, w, chunk)
+    loss, hits = h.new_zeros((), dtype=torch.float32), []
+    for i in range(0, len(labels), chunk):
+        logits = drafter.logits(h[i:i + chunk]).float()
+        loss = loss + (w[i:i + chunk] * F.cross_entropy(logits, labels[i:i + chunk], reduction='none')).sum()
+        hits.append(logits.argmax(-1) == labels[i:i + chunk])
+    return loss, torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=h.device)
+
+# %% ../nbs/model.ipynb #397596d1
 @torch.no_grad()
 def _acc(correct, count): return correct / count.clamp_min(1)
 
@@ -305,13 +336,11 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
     keep = labels != -100
     wk = slot_weights(B, gamma, dev).expand_as(labels)[keep]
     hk, lk = h[keep], labels[keep]
-    parts = [checkpoint(_head_ce, self, hk[i:i + chunk], lk[i:i + chunk], wk[i:i + chunk], use_reentrant=False)
-             if torch.is_grad_enabled() else _head_ce(self, hk[i:i + chunk], lk[i:i + chunk], wk[i:i + chunk])
-             for i in range(0, len(lk), chunk)]
-    if parts: loss = sum(p[0] for p in parts) / wk.sum()
-    else: loss = h.sum() * 0                                             # no labels: a zero that still reaches every parameter
     hits = torch.zeros(labels.shape, device=dev)
-    if parts: hits[keep] = torch.cat([p[1] for p in parts])
+    if len(lk):
+        total, hit = _head_ce(self, hk, lk, wk, chunk)
+        loss = total / wk.sum(); hits[keep] = hit.float()
+    else: loss = h.sum() * 0                                             # no labels: a zero that still reaches every parameter
     correct, count = hits.sum((0, 1)), keep.sum((0, 1))
     return DFlashOutput(loss=loss, acc=_acc(correct, count), correct=correct, count=count, weight=wk.sum(),
                         anchors=anchors, labels=labels, logits=self.logits(h) if return_logits else None)

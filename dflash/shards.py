@@ -209,9 +209,13 @@ def open_out(out, header, overwrite=False):
         if m is not None:
             diff = [f'{k}={m.get(k)!r} (now {header[k]!r})' for k in HEADER_KEYS if m.get(k) != header[k]]
             if diff: raise ValueError(f'{out} holds an extraction made with ' + ', '.join(diff) + ': pass overwrite=True to start over, or use another out')
-            kept = []
+            kept, seen = [], set()
             for s in m['shards']:
-                if (why := _intact(out, s)) is None: kept.append(s)
+                why = _intact(out, s)
+                if why is None:
+                    with safe_open(out / s['file'], 'pt') as f: ids = set(f.get_tensor('sample_ids').tolist())
+                    if ids & seen: why = 'a second copy of samples another shard holds (two runs wrote at once)'
+                if why is None: kept.append(s); seen |= ids
                 else: print(f'{out / s["file"]}: {why}; its {s["num_samples"]} samples are extracted again', file=sys.stderr, flush=True)
             m.update(shards=kept, complete=False)
         else: m = dict(format=FORMAT, **header, shards=[], complete=False)

@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['RECIPE', 'DEMO', 'RESUME_KEYS', 'RUN_FILES', 'TrainConfig', 'lr_factor', 'run_target', 'latest_checkpoint',
            'save_checkpoint', 'anchor_generator', 'Trainer', 'run_rank', 'run_drafter', 'prepare_job', 'train',
-           'train_cli']
+           'calibrate', 'auto_split', 'train_cli']
 
 # %% ../nbs/train.ipynb #1cd6cc48
-import hashlib, json, math, os, shutil, signal, sys, threading, time, traceback
+import hashlib, json, math, os, shutil, signal, sys, threading, time, traceback, warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,12 +22,12 @@ from .core import (TINY_TARGET, TRAIN_DATA, HELDOUT_DATA, RUNS, Job, param, targ
 from .taps import (capture, pad_batch, text_config, default_layer_ids, check_layer_ids, peak_mem_bytes, load_target, load_target_io,
                          load_target_config, target_name, target_revision, config_sha256)
 from .data import TokenizedDataset, prepared
-from .batching import Plan, sources
+from .batching import Plan, sources, served
 from .shards import ExtractedDataset, OfflineSource, check_extraction
 from .model import DFlashDraftModel, drafter_config, save_drafter, model_card, mask_token_for
 from .evaluate import TauProbe, NgramDrafter, tau_table
 from .dist import Coord, HSSender, OnlineSource, launch, peer_lost, store_from_env
-from .metrics import Meter, follow, progress_line
+from .metrics import Meter, follow, progress_line, best_split
 
 # %% ../nbs/train.ipynb #dd6d8307
 # The published recipe, for a real target. Sources: SpecForge (sgl-project/SpecForge) scripts/train_dflash.py defaults
@@ -54,8 +54,9 @@ class TrainConfig(Job):
     data: str | None = data_param()
     out: str | None = out_param('train', 'metrics.jsonl, checkpoints/, drafter/, PNGs')
     extracted: str | None = param(None, 'an extraction directory: train offline from it')
-    targets: int = param(2, 'target ranks (online)', min=1)
+    targets: int | str = param(2, "target ranks (online); 'auto': measure both sides and split `ranks` between them", min=1)
     drafters: int = param(1, 'drafter ranks (data parallel among themselves)', min=1)
+    ranks: int | None = param(None, "ranks to split with targets='auto'; None: the GPUs, or 3 on a CPU", min=2)
     num_layers: int | None = param(None, 'drafter decoder layers; None: 5 (recipe), 1 (demo)', min=1)
     block_size: int | None = param(None, 'block size B: the drafter drafts B-1 tokens; None: 16', min=2)
     layer_ids: list[int] | None = param(None, 'tapped target layers; None: the DFlash rule for num_layers')
@@ -81,6 +82,7 @@ class TrainConfig(Job):
     eval_prompts: int | None = param(None, 'prompts per evaluation file; None: 16 (recipe), 8 (demo)', min=1)
     eval_max_new_tokens: int | None = param(None, 'tokens decoded per prompt; None: 256 (recipe), 64 (demo)', min=1)
     final_eval: bool = param(True, 'measure tau (and the n-gram baseline) at the end')
+    verify: bool = param(True, "offline: check each shard's sha256 once, before its data is used")
     ckpt_every: int = param(100, 'steps between checkpoints (0: only at the end)', min=0)
     keep: int = param(2, 'checkpoints kept', min=1)
     resume: bool = param(False, 'continue from the last complete checkpoint in out')
@@ -99,11 +101,13 @@ class TrainConfig(Job):
     @property
     def online(self): return self.extracted is None
     @property
-    def world(self): return (self.targets if self.online else 0) + self.drafters
+    def world(self): return self.ranks if self.targets == 'auto' else (self.targets if self.online else 0) + self.drafters
     @property
     def demo(self): return Path(str(self.target)).resolve() == TINY_TARGET.resolve()
 
     def check(self):
+        if isinstance(self.targets, str) and self.targets != 'auto': raise ValueError(f"targets={self.targets!r}: must be a number of ranks or 'auto'")
+        if self.targets == 'auto' and self.ranks is None: self.set('ranks', torch.cuda.device_count() or 3, 'the GPUs, or 3 on a CPU')
         if self.target is None: self.set('target', str(TINY_TARGET), 'the embedded target')
         recipe, why = (DEMO, 'demo: the embedded target') if self.demo else (RECIPE, 'recipe: SpecForge train_dflash.py / configs')
         for k, v in recipe.items():
@@ -114,8 +118,6 @@ class TrainConfig(Job):
         if self.online and not Path(self.data).exists(): raise FileNotFoundError(f'data: no such file or directory: {self.data}')
         if not self.online and not (Path(self.extracted) / 'manifest.json').exists():
             raise FileNotFoundError(f'extracted: {self.extracted} is not an extraction (no manifest.json)')
-        if self.online and self.targets < self.drafters:
-            raise ValueError(f'targets={self.targets} < drafters={self.drafters}: every drafter rank needs a target rank (target t feeds drafter t % drafters)')
         if self.nnodes > 1 and not self.rdzv_endpoint: raise ValueError(f'nnodes={self.nnodes}: give rdzv_endpoint=HOST:PORT (the same on every machine)')
         if self.world % self.nnodes: raise ValueError(f'{self.world} ranks do not split evenly over nnodes={self.nnodes}')
         return self
@@ -133,18 +135,25 @@ def lr_factor(step, total, warmup, min_ratio=0.1):
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
 
 # %% ../nbs/train.ipynb #2e07b864
+def _work(cfg, t, start, total):
+    "`(micro-batch, drafter)` pairs target `t` produces, in order: its share of each drafter it serves."
+    work = []
+    for d in served(t, cfg.targets, cfg.drafters):
+        srcs = sources(d, cfg.targets, cfg.drafters); i, n = srcs.index(t), len(srcs)
+        work += [(p, d) for p in range(start + ((i - start) % n), total, n)]
+    return sorted(work)
+
 def run_target(cfg, coord, t, plan, ds, device, pg, model=None):
-    "Target rank `t`: capture its share of the plan and stream it to its drafter through the HS queue."
+    "Target rank `t`: capture its share of the plan and stream it to its drafter(s) through the HS queue."
     if model is None: model = load_target(cfg.target, cfg.dtype, device)
     pad_id = getattr(text_config(model.config), 'pad_token_id', None) or 0
-    d = t % cfg.drafters
-    srcs = sources(d, cfg.targets, cfg.drafters); i, n_src = srcs.index(t), len(srcs)
-    sender = HSSender(coord, t, cfg.targets + d, cfg.q_depth, pg)
+    senders = {d: HSSender(coord, t, cfg.targets + d, cfg.q_depth, pg, d) for d in served(t, cfg.targets, cfg.drafters)}
     coord.barrier('start', range(cfg.world))
     start = coord.get('start_micro', 0)
     fwd_s, t0, last = 0.0, time.perf_counter(), 0.0
-    stats = lambda: dict(batches=sender.sent, wait_s=sender.wait_s, fwd_s=fwd_s, time_s=time.perf_counter() - t0, mem=peak_mem_bytes(device))
-    for p in range(start + ((i - start) % n_src), plan.total_micro, n_src):
+    stats = lambda: dict(batches=sum(s.sent for s in senders.values()), wait_s=sum(s.wait_s for s in senders.values()), fwd_s=fwd_s,
+                         time_s=time.perf_counter() - t0, mem=peak_mem_bytes(device))
+    for p, d in _work(cfg, t, start, plan.total_micro):
         if coord.stopping(): break
         rows = [ds[int(j)] for j in plan.batch(d, p)]
         tf = time.perf_counter()
@@ -152,10 +161,10 @@ def run_target(cfg, coord, t, plan, ds, device, pg, model=None):
         hs = capture(model, ids.to(device), mask.to(device), cfg.layer_ids, index.to(device))
         if device.type == 'cuda': torch.cuda.synchronize(device)
         fwd_s += time.perf_counter() - tf
-        if not sender.send(hs, np.concatenate([r['input_ids'] for r in rows]), np.concatenate([r['loss_mask'] for r in rows]),
-                           [len(r['input_ids']) for r in rows], p): break
+        if not senders[d].send(hs, np.concatenate([r['input_ids'] for r in rows]), np.concatenate([r['loss_mask'] for r in rows]),
+                               [len(r['input_ids']) for r in rows], p): break
         if time.perf_counter() - last > 0.5: last = time.perf_counter(); coord.set(f'tstat/{t}', stats())
-    sender.close()
+    for s in senders.values(): s.close()
     coord.set(f'tstat/{t}', stats())
 
 # %% ../nbs/train.ipynb #320b32f9
@@ -270,7 +279,9 @@ class Trainer:
             if self.main: append_jsonl(self.out / 'metrics.jsonl', dict(event='nonfinite', step=self.step, samples=samples, time=time.time()))
             if self.skipped >= 3: raise FloatingPointError(f'drafter {self.d}: the gradient was not finite {self.skipped} steps in a row '
                                                          f'(last samples {samples[:8]}); the drafter is not saved')
-        self.sched.step(); self.opt.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():                  # a skipped first step steps the schedule before the optimizer: intended
+            warnings.simplefilter('ignore'); self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
         self.step += 1                                   # a skipped step still used its data
         return ok
 
@@ -329,12 +340,19 @@ Trainer._log, Trainer.run = _log, _run
 
 # %% ../nbs/train.ipynb #a2995af5
 def _device(cfg, local_rank):
+    "This rank's device: `cfg.device`, or the GPU `local_rank` (round-robin when there are more ranks than GPUs), or the CPU."
     if cfg.device != 'auto': return torch.device(cfg.device)
-    return torch.device(f'cuda:{local_rank}') if torch.cuda.is_available() else torch.device('cpu')
+    return torch.device(f'cuda:{local_rank % torch.cuda.device_count()}') if torch.cuda.is_available() else torch.device('cpu')
+
+def _backend(cfg, device):
+    "NCCL when every rank of this machine has a GPU of its own; gloo on CPUs and for ranks sharing a GPU (through the host)."
+    local = int(os.environ.get('LOCAL_WORLD_SIZE', cfg.world))
+    shared = cfg.device != 'auto' or local > torch.cuda.device_count()
+    return 'nccl' if device.type == 'cuda' and not shared else 'gloo'
 
 def _load_data(cfg):
     "`(lengths, dataset)` of the run: an extraction (offline, each shard's checksum checked on first use) or a tokenized dataset."
-    ds = TokenizedDataset.load(cfg.data) if cfg.online else ExtractedDataset(cfg.extracted, require_complete=True, verify=True)
+    ds = TokenizedDataset.load(cfg.data) if cfg.online else ExtractedDataset(cfg.extracted, require_complete=True, verify=cfg.verify)
     n = len(ds) if cfg.max_samples is None else min(cfg.max_samples, len(ds))
     return np.asarray(ds.lengths[:n]), ds
 
@@ -353,7 +371,7 @@ def run_rank(cfg, rank=0, world=1, local_rank=0, store=None):
     if world > 1:
         (Path(cfg.out) / 'logs').mkdir(parents=True, exist_ok=True)
         (Path(cfg.out) / 'logs' / f'rank-{rank}.pid').write_text(str(os.getpid()))   # which process is which rank
-        backend = 'nccl' if device.type == 'cuda' else 'gloo'
+        backend = _backend(cfg, device)
         dist.init_process_group(backend, rank=rank, world_size=world, store=store,
                                 timeout=timedelta(seconds=cfg.pg_timeout_s) if backend == 'gloo' else timedelta(minutes=30),
                                 **(dict(device_id=device) if backend == 'nccl' else {}))
@@ -368,7 +386,7 @@ def run_rank(cfg, rank=0, world=1, local_rank=0, store=None):
         lengths, ds = _load_data(cfg)
         if not cfg.online: check_extraction(ds, cfg.target, cfg.layer_ids)
         plan = Plan(lengths, cfg.token_budget, cfg.max_batch_size, cfg.drafters, cfg.seed, cfg.grad_accum, cfg.epochs, cfg.max_steps)
-        group = dist.new_group(list(range(T, world)), backend='gloo' if device.type == 'cpu' else None) if world > 1 else None
+        group = dist.new_group(list(range(T, world)), backend=_backend(cfg, device)) if world > 1 else None
         pg = dist.group.WORLD if world > 1 else None
         result = run_target(cfg, coord, rank, plan, ds, device, pg) if rank < T else run_drafter(cfg, coord, rank - T, plan, ds, device, group, pg, stop)
         coord.finished()
@@ -448,6 +466,7 @@ def prepare_job(cfg):
     if cfg.online: cfg.data = str(Path(prepared(cfg.data, cfg.target, out, cfg.max_length)).resolve())
     else: cfg.extracted = str(Path(cfg.extracted).resolve())
     if earlier and not cfg.resume: print(f'the earlier run in {out} is now in {set_aside(out, RUN_FILES)}')
+    if cfg.targets == 'auto': auto_split(cfg)
     cfg.save(out / 'config.json')
     return cfg
 
@@ -476,6 +495,56 @@ def train(*args, **kw):
         res = json.loads((Path(cfg.out) / 'result.json').read_text()) if (Path(cfg.out) / 'result.json').exists() else None
     if res is not None: res['seconds'] = time.time() - t0
     return res
+
+# %% ../nbs/train.ipynb #e3ba02b1
+def calibrate(cfg, micro=3):
+    "Tokens/s of one target rank and of one drafter rank, measured on the run's first micro-batches: `(rt, rd)`."
+    from dflash.shards import collate
+    device = _device(cfg, 0)
+    threads = torch.get_num_threads()
+    if device.type == 'cpu': torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks))
+    try:
+        ds = TokenizedDataset.load(cfg.data)
+        n = len(ds) if cfg.max_samples is None else min(cfg.max_samples, len(ds))
+        plan = Plan(ds.lengths[:n], cfg.token_budget, cfg.max_batch_size, 1, cfg.seed, max_steps=micro + 1)
+        target = load_target(cfg.target, cfg.dtype, device)
+        pad_id = getattr(text_config(target.config), 'pad_token_id', None) or 0
+        batches, t_target, tokens = [], 0.0, 0
+        for p in range(micro + 1):
+            rows = [ds[int(j)] for j in plan.batch(0, p)]
+            ids, mask, index = pad_batch([r['input_ids'] for r in rows], pad_id)
+            t0 = _clock(device); hs = capture(target, ids.to(device), mask.to(device), cfg.layer_ids, index.to(device)); dt = _clock(device) - t0
+            hs, ids2, lm = collate(hs, np.concatenate([r['input_ids'] for r in rows]), np.concatenate([r['loss_mask'] for r in rows]), [len(r['input_ids']) for r in rows])
+            batches.append((p, hs, ids2.to(device), lm.to(device), int(mask.sum())))
+            if p: t_target += dt; tokens += int(mask.sum())                # the first batch warms up
+        drafter = DFlashDraftModel(drafter_config(target.config, cfg.num_layers, cfg.block_size, mask_token_for(cfg.target, cfg.mask_token_id),
+                                                  cfg.layer_ids)).to(device).attach_target(target)
+        opt, t_drafter = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr), 0.0
+        for p, hs, ids2, lm, _ in batches:
+            t0 = _clock(device)
+            with (torch.autocast('cuda', dtype=torch.bfloat16) if device.type == 'cuda' else nullcontext()):
+                o = drafter(hs, ids2, lm, num_anchors=cfg.num_anchors, generator=anchor_generator(cfg.seed, 0, p))
+            o.loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+            if p: t_drafter += _clock(device) - t0
+        del target, drafter, opt
+        if device.type == 'cuda': torch.cuda.empty_cache()
+        return tokens / t_target, tokens / t_drafter
+    finally: torch.set_num_threads(threads)
+
+def _clock(device):
+    if device.type == 'cuda': torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+def auto_split(cfg):
+    "Measure both sides, split `cfg.ranks` between them for the highest pipeline rate, and record the prediction."
+    rt, rd = calibrate(cfg)
+    T, D, rate = best_split(cfg.ranks, rt, rd)
+    why = f'auto: one target rank {rt / 1e3:.1f} Ktok/s, one drafter rank {rd / 1e3:.1f} Ktok/s'
+    cfg.set('targets', T, why); cfg.set('drafters', D, why)
+    write_json_atomic(Path(cfg.out) / 'calibration.json', dict(target_tokens_per_s=rt, drafter_tokens_per_s=rd, ranks=cfg.ranks,
+                                                                targets=T, drafters=D, predicted=rate, time=time.time()))
+    print(f'{why}: {T} targets : {D} drafters, predicted {rate / 1e3:.1f} Ktok/s', flush=True)
+    return cfg
 
 # %% ../nbs/train.ipynb #2dd533bf
 def _torchrun_rank(cfg):

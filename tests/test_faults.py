@@ -180,7 +180,7 @@ def test_train_block_size_1(w): fails(train_cli, '--block-size', '1', msg='block
 
 def test_train_zero_anchors(w): fails(train_cli, '--num-anchors', '0', msg='num_anchors=0: must be >= 1')
 
-def test_train_more_drafters_than_targets(w): fails(train_cli, '--targets', '1', '--drafters', '2', msg='targets=1 < drafters=2')
+def test_train_auto_split_needs_two_ranks(w): fails(train_cli, '--targets', 'auto', '--ranks', '1', msg='ranks=1: must be >= 2')
 
 def test_train_online_zero_targets(w): fails(train_cli, '--targets', '0', msg='targets=0: must be >= 1')
 

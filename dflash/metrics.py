@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['Monitor', 'plot_throughput', 'Meter', 'fmt_time', 'fmt_bytes', 'progress_line', 'follow', 'plot_dashboard',
-           'pipeline_rate', 'best_split', 'diagnose']
+           'tau_curve', 'plot_tau', 'pipeline_rate', 'best_split', 'diagnose']
 
 # %% ../nbs/metrics.ipynb #64b80051
 import json, math, time
@@ -176,6 +176,32 @@ def plot_dashboard(out, save=True):
     fig, axs = plt.subplots(2, 2, figsize=(11, 6.5), layout='constrained')
     for ax, draw in zip(axs.flat, panels.values()): draw(ax)
     if save: fig.savefig(out / 'dashboard.png', dpi=90)
+    plt.close(fig)
+    return fig
+
+# %% ../nbs/metrics.ipynb #72ea4bf7
+def tau_curve(out):
+    "`[(training seconds, step, tau)]` of the run in `out`: each tau measured, at the training time it was measured after."
+    recs, out = sorted((m for m in read_metrics(out) if 'time' in m), key=lambda m: m['time']), Path(out)
+    run = json.loads((out / 'run.json').read_text()) if (out / 'run.json').exists() else {}
+    t0, pts, evals = run.get('time', recs[0]['time']), [], 0.0
+    for m in recs:
+        if m.get('tau') is None: continue
+        evals += m.get('eval_s', 0.0)
+        pts.append((m['time'] - t0 - evals, m['step'], m['tau']))
+    return pts
+
+def plot_tau(runs, path=None, ngram=None):
+    "tau against training time for `runs` ({label: out dir}); the n-gram baseline as a line. Returns the figure."
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.6), layout='constrained')
+    for label, out in runs.items():
+        pts = tau_curve(out)
+        ax.plot([p[0] / 60 for p in pts], [p[2] for p in pts], 'o-', label=label)
+        ngram = ngram or next((m['tau_ngram'] for m in read_metrics(out) if m.get('tau_ngram')), None)
+    if ngram: ax.axhline(ngram, ls=':', color='gray', label=f'n-gram prompt lookup ({ngram:.2f})')
+    ax.set(xlabel='training time (min)', ylabel='tau (acceptance length)', title='tau against training time', ylim=(1, None)); ax.legend(fontsize=8)
+    if path: fig.savefig(path, dpi=100)
     plt.close(fig)
     return fig
 

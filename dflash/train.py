@@ -406,8 +406,8 @@ def run_drafter(cfg, coord, d, plan, ds, device, group, pg, stop):
     start = trainer.step * cfg.grad_accum
     probe = TauProbe(cfg.target, cfg.eval_data, cfg.eval_prompts, cfg.eval_max_new_tokens, cfg.dtype, device) if d == 0 else None
     def tau(trainer):
-        t, _ = probe(trainer.model)
-        append_jsonl(trainer.out / 'metrics.jsonl', dict(step=trainer.step, tau=t, time=time.time()))
+        t0 = time.time(); t, _ = probe(trainer.model)
+        append_jsonl(trainer.out / 'metrics.jsonl', dict(step=trainer.step, tau=t, eval_s=time.time() - t0, time=time.time()))
     if d == 0:
         coord.set('start_micro', start)
         write_json_atomic(Path(cfg.out) / 'run.json', dict(config=cfg.to_dict(), total_steps=plan.total_steps, start_step=trainer.step,

@@ -51,7 +51,7 @@ test: check-sync test-nbs test-py
 
 bench: setup
 	$(PY) bench/extract.py
-	$(PY) bench/train.py
+	$(PY) bench/train.py --profile
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,11 +1,14 @@
 """Training benchmark: the trainer against the limits it cannot beat, on the same batches, in one run.
 
-    .venv/bin/python bench/train.py [--steps 60] [--out runs/bench] [--samples 1200] [--threads 1]
+    .venv/bin/python bench/train.py [--steps 60] [--out runs/bench] [--samples 1200] [--threads 1] [--profile]
+
+`--profile` adds the torch profiler's table of the bare step (operators by self CPU time, 20 steps) to the output.
 
 Each method runs in a process of its own, with `--threads` torch threads per process (the online pipeline's ranks get
 the same), over the same token-budget batches of the embedded corpus, the embedded target and a 1-layer drafter:
 - bare:    the drafter's own loop: forward, backward, clip, optimizer step, on batches already in memory (the taps
            computed beforehand). Nothing else: the drafter side's limit.
+- bare-compile: the same loop with the drafter compiled (`torch.compile`, dynamic shapes), warm-up steps excluded.
 - target:  the target's forward up to the last tap (`capture`) on the same batches: the target side's limit, per rank.
 - offline: `dflash_train --extracted` from an extraction of the same samples (shards read by the prefetch thread, each
            checked against its sha256 once, metrics written, no checkpoints).
@@ -67,10 +70,18 @@ def run_inner(method, a):
     d.attach_target(embed_tokens=emb, lm_head=head).train()
     opt = torch.optim.AdamW(d.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, plan.total_steps, 0.05, 0.1))
+    if method == 'bare-compile': d.compile(dynamic=True)
     def step(it):
         p, hs, ids, lm, _ = it
         o = d(hs, ids, lm, num_anchors=a.anchors, generator=anchor_generator(0, 0, p))
         o.loss.backward(); torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0); opt.step(); sched.step(); opt.zero_grad(set_to_none=True)
+    if method == 'profile':
+        from torch.profiler import profile, ProfilerActivity
+        for it in items[:a.warmup]: step(it)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for it in items[a.warmup:a.warmup + 20]: step(it)
+        print(prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=18, max_name_column_width=40), file=sys.stderr)
+        return 0.0
     return timed(step)
 
 
@@ -112,8 +123,9 @@ def main():
     p.add_argument('--budget', type=int, default=2048)
     p.add_argument('--anchors', type=int, default=16)
     p.add_argument('--threads', type=int, default=1, help='torch threads per process (and per rank)')
-    p.add_argument('--methods', default='bare,target,offline,offline-noverify,online-1+1')
+    p.add_argument('--methods', default='bare,bare-compile,target,offline,offline-noverify,online-1+1')
     p.add_argument('--out', default=str(ROOT / 'runs' / 'bench'))
+    p.add_argument('--profile', action='store_true', help="print the profiler's table of the bare step")
     p.add_argument('--method', help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.method:
@@ -121,17 +133,21 @@ def main():
     Path(a.out).mkdir(parents=True, exist_ok=True)
     batches(a)                                   # prepares the dataset once, before anything is timed
     res, extra = {}, {}
-    for m in a.methods.split(','):
-        if m in ('bare', 'target'):
+    for m in a.methods.split(',') + (['profile'] if a.profile else []):
+        if m in ('bare', 'bare-compile', 'target', 'profile'):
             r = subprocess.run([sys.executable, __file__, '--method', m, *sys.argv[1:]], capture_output=True, text=True,
                                env={**os.environ, 'OMP_NUM_THREADS': str(a.threads)})
             line = [l for l in r.stdout.splitlines() if l.startswith('RESULT ')]
             if r.returncode or not line: sys.exit(f'{m} failed:\n{r.stderr[-3000:]}')
+            if m == 'profile':
+                extra['profile'] = r.stderr[r.stderr.index('---'):] if '---' in r.stderr else r.stderr
+                print(extra['profile'], flush=True); continue
             res[m] = json.loads(line[0][7:])
         else: res[m], extra[m] = run_trainer(m, a)
         print(f'{m:18s} {res[m]:8.0f} tokens/s', flush=True)
     ratios = {}
     if 'offline' in res and 'bare' in res: ratios['offline / bare'] = res['offline'] / res['bare']
+    if 'bare-compile' in res and 'bare' in res: ratios['bare-compile / bare'] = res['bare-compile'] / res['bare']
     if 'offline-noverify' in res and 'offline' in res: ratios['offline / offline-noverify (checksum cost)'] = res['offline'] / res['offline-noverify']
     if 'online-1+1' in res and 'bare' in res and 'target' in res:
         ratios['online-1+1 / min(target, bare)'] = res['online-1+1'] / min(res['target'], res['bare'])

@@ -147,7 +147,7 @@ def plot_dashboard(out, save=True):
     def loss(ax):
         ax.plot(steps, [m['loss'] for m in recs]); ax.set(xlabel='step', ylabel='loss', title='loss')
         if taus:
-            a2 = ax.twinx(); a2.plot(*zip(*taus), 'o-', color='C3'); a2.set_ylabel('tau', color='C3')
+            a2 = ax.twinx(); a2.plot(*zip(*taus), 'o-', color='C3'); a2.set_ylabel('tau', color='C3'); a2.set_ylim(1, max(t for _, t in taus) * 1.1)
     def acc(ax):
         A = np.array([m['acc'] for m in recs])
         for k in range(A.shape[1]):
@@ -243,7 +243,7 @@ def diagnose(out, idle=0.15):
     rd, rt = tok / D / max(1 - di, 0.05), tok / max(T, 1) / max(1 - ti, 0.05)      # what one busy rank of each side did
     t, d, rate = best_split(T + D, rt, rd)
     split = (f'One target rank ran at about {rt / 1e3:.1f} Ktok/s and one drafter rank at {rd / 1e3:.1f} Ktok/s: '
-             + (f'{t} targets : {d} drafters would run ~{rate / 1e3:.1f} Ktok/s. ' if (t, d) != (T, D) else f'this split ({T}:{D}) is the best of {T + D} ranks. '))
+             + (f'{t} target{"s" * (t != 1)} : {d} drafter{"s" * (d != 1)} would run ~{rate / 1e3:.1f} Ktok/s. ' if (t, d) != (T, D) else f'this split ({T}:{D}) is the best of {T + D} ranks. '))
     if di > idle and q < 0.3 * cap:
         return head + 'Target-bound: the drafter waits behind an empty queue, so the targets are the bottleneck. ' + split + (
             'Or raise token_budget so each target forward carries more tokens (if target memory allows).')

@@ -84,6 +84,7 @@ class TrainConfig(Job):
     eval_max_new_tokens: int | None = param(None, 'tokens decoded per prompt; None: 256 (recipe), 64 (demo)', min=1)
     final_eval: bool = param(True, 'measure tau (and the n-gram baseline) at the end')
     verify: bool = param(True, "offline: check each shard's sha256 once, before its data is used")
+    compile: bool = param(False, 'torch.compile the drafter (dynamic shapes); off: it did not pay on CPU, `make gpu-check` measures it on a GPU')
     ckpt_every: int = param(100, 'steps between checkpoints (0: only at the end)', min=0)
     keep: int = param(2, 'checkpoints kept', min=1)
     resume: bool = param(False, 'continue from the last complete checkpoint in out')
@@ -228,6 +229,7 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, plan.total_steps, cfg.warmup, cfg.min_lr_ratio))
         self.step, self.tokens, self.skipped, self.resumed_from = 0, 0, 0, None
         if cfg.resume and (ck := latest_checkpoint(cfg.out)) is not None: self._load(ck)
+        if cfg.compile: self.model.compile(dynamic=True)     # in place: parameter names, hence checkpoints, unchanged
         self.ddp = None
         if group is not None and cfg.drafters > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -547,7 +549,7 @@ def auto_split(cfg):
     cfg.set('targets', T, why); cfg.set('drafters', D, why)
     write_json_atomic(Path(cfg.out) / 'calibration.json', dict(target_tokens_per_s=rt, drafter_tokens_per_s=rd, ranks=cfg.ranks,
                                                                 targets=T, drafters=D, predicted=rate, time=time.time()))
-    print(f'{why}: {T} targets : {D} drafters, predicted {rate / 1e3:.1f} Ktok/s', flush=True)
+    print(f'{why}: {T} target{"s" * (T != 1)} : {D} drafter{"s" * (D != 1)}, predicted {rate / 1e3:.1f} Ktok/s', flush=True)
     return cfg
 
 # %% ../nbs/train.ipynb #2dd533bf

@@ -7,7 +7,8 @@ Checks, each recorded as passed, failed (with the error) or skipped (with why):
 1. flex:     the drafter's block-masked attention through flex_attention (compiled on a GPU) against SDPA: the same loss
              and gradients within tolerance.
 2. step:     a bf16 drafter training step at a real target's shapes (Qwen3-8B's: hidden 4096, 151936 tokens, 5 layers):
-             tokens/s and model FLOPs utilisation (MFU) against the GPU's peak.
+             tokens/s and model FLOPs utilisation (MFU) against the GPU's peak; then the same step with the drafter
+             compiled (torch.compile, dynamic shapes): compiled / eager decides TrainConfig.compile's default.
 3. extract:  extraction of a random-weight ~1.5B qwen3_5 hybrid in bf16: ours (`extract`) against the naive recipe
              (output_hidden_states, one sample at a time) and the bare forward to the last tap; aims ours >= 0.95 of
              bare and >= 50x naive; MFU.
@@ -93,16 +94,19 @@ def check_step(a, torch, dev):
     def step():
         with auto: o = d(hs, ids, lm, num_anchors=A)
         o.loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
-    for _ in range(2): step()
-    n = 3 if a.cpu else 10
-    t0 = sync(torch)
-    for _ in range(n): step()
-    el = sync(torch) - t0
-    tps = n * b * S / el
+    def rate(n):
+        for _ in range(2): step()
+        t0 = sync(torch)
+        for _ in range(n): step()
+        return n * b * S / (sync(torch) - t0)
+    tps = rate(3 if a.cpu else 10)
     flops = drafter_flops_per_token(dc, S, A) * tps
     pk = peak(torch)
-    return dict(tokens_per_s=tps, tflops=flops / 1e12, mfu=flops / pk if pk else None,
-                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if dev.type == 'cuda' else None)
+    r = dict(tokens_per_s=tps, tflops=flops / 1e12, mfu=flops / pk if pk else None,
+             peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if dev.type == 'cuda' else None)
+    if not a.cpu:    # TrainConfig.compile's default: on only if this says it pays
+        d.compile(dynamic=True); r['compiled_tokens_per_s'] = rate(10); r['compiled / eager'] = r['compiled_tokens_per_s'] / tps
+    return r
 
 
 def _dataset(tmp, tok, n, length):

@@ -545,9 +545,12 @@ def auto_split(cfg):
     "Measure both sides, split `cfg.ranks` between them for the highest pipeline rate, and record the prediction."
     rt, rd = calibrate(cfg)
     T, D, rate = best_split(cfg.ranks, rt, rd)
-    why = f'auto: one target rank {rt / 1e3:.1f} Ktok/s, one drafter rank {rd / 1e3:.1f} Ktok/s'
+    # Each side was timed alone with a core of its own; with more CPU ranks than cores, each rank gets cores/ranks of one.
+    share = min(1.0, (os.cpu_count() or 1) / cfg.ranks) if _device(cfg, 0).type == 'cpu' else 1.0
+    rate *= share
+    why = f'auto: one target rank {rt / 1e3:.1f} Ktok/s, one drafter rank {rd / 1e3:.1f} Ktok/s' + (f' (x{share:.2f}: ranks share the cores)' if share < 1 else '')
     cfg.set('targets', T, why); cfg.set('drafters', D, why)
-    write_json_atomic(Path(cfg.out) / 'calibration.json', dict(target_tokens_per_s=rt, drafter_tokens_per_s=rd, ranks=cfg.ranks,
+    write_json_atomic(Path(cfg.out) / 'calibration.json', dict(target_tokens_per_s=rt, drafter_tokens_per_s=rd, ranks=cfg.ranks, cpu_share=share,
                                                                 targets=T, drafters=D, predicted=rate, time=time.time()))
     print(f'{why}: {T} target{"s" * (T != 1)} : {D} drafter{"s" * (D != 1)}, predicted {rate / 1e3:.1f} Ktok/s', flush=True)
     return cfg

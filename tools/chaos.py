@@ -101,8 +101,8 @@ def interrupt(job, cmd, out, rng):
     if p.poll() is not None: return fault, f'{when:.1f}s', 'finished first'
     if fault == 'rank dies':
         ranks = pids(out, job, p.pid)
-        if ranks: os.kill(rng.choice(ranks), signal.SIGKILL)
-        else: os.killpg(p.pid, signal.SIGKILL)
+        try: os.kill(rng.choice(ranks), signal.SIGKILL) if ranks else os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError: return fault, f'{when:.1f}s', 'finished first'    # the rank ended as it was chosen
     else: os.killpg(p.pid, getattr(signal, fault)) if fault == 'SIGKILL' else p.send_signal(signal.SIGTERM)
     try: p.wait(timeout=120)
     except subprocess.TimeoutExpired: os.killpg(p.pid, signal.SIGKILL); p.wait()

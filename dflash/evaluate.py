@@ -19,7 +19,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttention
 from .core import TINY_TARGET, HELDOUT_DATA, RUNS, Job, param, target_param, out_param, run_cli, write_json_atomic, claim_out
 from .taps import tap_layers, tapped, load_target, load_target_config, load_tokenizer, target_name
 from .data import BadRow, DataError, load_conversations, prompt_of
-from .model import DFlashDraftModel, check_drafter
+from .model import DFlashDraftModel
+from .publish import check_drafter
 
 # %% ../nbs/evaluate.ipynb #f8aaecc3
 def load_prompts(tok, path=HELDOUT_DATA, n=8):

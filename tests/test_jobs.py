@@ -7,7 +7,7 @@ from dflash.core import ROOT
 from dflash.data import PrepareConfig
 from dflash.extract import ExtractConfig
 from dflash.evaluate import EvalConfig
-from dflash.train import TrainConfig
+from dflash.recipe import TrainConfig
 
 JOBS = {'data': PrepareConfig, 'extract': ExtractConfig, 'evaluate': EvalConfig, 'train': TrainConfig}
 PAPERMILL = Path(sys.executable).parent / 'papermill'

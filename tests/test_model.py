@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3_5Config
 from dflash.tiny_target import target_config
 from dflash.taps import capture, default_layer_ids, load_target_io
 from dflash.model import (DFlashConfig, DFlashDraftModel, DraftCache, block_labels, block_mask, drafter_config, pad_anchors,
-                          sample_anchors, slot_weights, save_drafter)
+                          sample_anchors, slot_weights)
+from dflash.publish import save_drafter
 
 B = 4  # block size of the test drafters
 

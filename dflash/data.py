@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['ROLES', 'REASONS', 'LLAMA3_TEMPLATE', 'DataError', 'read_rows', 'BadRow', 'normalize', 'prompt_of',
            'load_conversations', 'describe', 'check', 'render', 'special_strings', 'assistant_spans', 'spans_to_mask',
-           'encode', 'show_mask', 'encode_all', 'TokenizedDataset', 'PrepareConfig', 'prepare', 'prepare_cli',
-           'prepared']
+           'encode', 'show_mask', 'encode_all', 'TokenizedDataset', 'PrepareConfig', 'prompts_hint', 'prepare',
+           'prepare_cli', 'prepared']
 
 # %% ../nbs/data.ipynb #bdc63938
 import hashlib, json, os, shutil, time
@@ -307,6 +307,14 @@ def _swap_in(new, out):
 def _report(report, problems):
     return {**report, 'counts': dict(Counter(p['reason'] for p in problems)), 'problems': problems}
 
+def prompts_hint(problems, data, target):
+    "What to do with rows that are prompts without replies: have the target answer them (empty if there are none)."
+    n = sum(p['reason'] == 'no assistant turn' for p in problems)
+    if not n: return ''
+    regen = Path(data).with_name(Path(data).stem + '-regen.jsonl')
+    return (f'{n} rows are prompts without a reply: have the target answer them first with '
+            f'`dflash_regenerate --target {target_name(target)} --data {data} --out {regen}`, then use {regen}')
+
 def prepare(*args, tokenizer=None, **kw):
     "Validate and tokenize a ShareGPT file for a target (see `PrepareConfig`); save the dataset and `report.json`; return the dataset."
     job = args[0] if args and isinstance(args[0], Job) else PrepareConfig(*args, **kw)
@@ -329,10 +337,12 @@ def prepare(*args, tokenizer=None, **kw):
     bad_template = [p for p in tprobs if p['reason'] == 'template error']
     if job.strict and bad_template: fail(problems + tprobs, 'conversations', len(convs))
     check(problems + bad_template, False, rows)
+    hint = prompts_hint(problems, job.data, job.target)
+    if hint and samples: print(hint)
     if not samples and not job.allow_empty:
         counts, name = Counter(p['reason'] for p in problems + tprobs), failed_report(problems + tprobs)
         raise DataError(f'{job.data}: none of its {rows} rows is usable (' + ', '.join(f'{n} {r}' for r, n in counts.most_common())
-                        + f'); the rows and reasons are in {out / name}; allow_empty=True saves an empty dataset')
+                        + f'); the rows and reasons are in {out / name}; allow_empty=True saves an empty dataset' + (f'. {hint}' if hint else ''))
     meta = dict(source=report['file'], tokenizer=report['target'], max_length=job.max_length, min_loss_tokens=job.min_loss_tokens,
                 chat_template_sha256=hashlib.sha256(str(tok.chat_template).encode()).hexdigest(), tokenizer_sha256=tokenizer_sha256(tok),
                 truncated=n_trunc)

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['HEADER', 'Coord', 'peer_lost', 'store_from_env', 'thread_groups', 'wire_device', 'send_batch', 'recv_batch', 'link',
-           'HSSender', 'OnlineSource', 'RankLogs', 'launch', 'hello']
+           'HSSender', 'OnlineSource', 'RankLogs', 'culprit', 'launch', 'hello']
 
 # %% ../nbs/dist.ipynb #1dc1433c
 import json, logging, os, signal, sys, threading, time, uuid
@@ -211,11 +211,22 @@ class RankLogs(LogsSpecs):
             Path(dest.error_files[lr]).unlink(missing_ok=True)
         return dest
 
+def _raised(f):
+    "The last line of the exception a rank recorded in its error file (a `ProcessFailure`), or None."
+    m = f.message.get('message') if isinstance(f.message, dict) else None
+    return str(m).strip().splitlines()[-1] if m and str(m).strip() else None
+
 def _why(f):
-    "One line on how a rank failed, from the elastic agent's `ProcessFailure`."
+    "One line on how a rank failed: what it raised (even if a signal ended it afterwards), else the signal or exit code."
+    if (x := _raised(f)) is not None: return x
     if f.exitcode is not None and f.exitcode < 0: return f'killed by signal {f.signal_name()}'
-    m = f.message.get('message') if isinstance(f.message, dict) else f.message
-    return str(m).strip().splitlines()[-1] if m and str(m).strip() and 'To enable traceback' not in str(m) else f'exit code {f.exitcode}'
+    return f'exit code {f.exitcode}'
+
+def culprit(failures):
+    "`(rank, failure)` to report of `{rank: ProcessFailure}`: the first rank that raised, else the first to fail."
+    raised = sorted((f.timestamp, r) for r, f in failures.items() if _raised(f) is not None)
+    r = raised[0][1] if raised else min(failures, key=lambda r: (failures[r].timestamp, r))
+    return r, failures[r]
 
 @contextmanager
 def _agent_quiet():
@@ -242,7 +253,7 @@ def launch(entry, args, nprocs, log_dir, roles=None, nnodes=1, rdzv_endpoint=Non
     try:
         with _agent_quiet(): return elastic_launch(cfg, entry)(*args)
     except ChildFailedError as e:
-        r, f = e.get_first_failure()
+        r, f = culprit(e.failures)
         err = max(Path(log_dir).rglob(f'rank-{r}.err'), key=lambda p: p.stat().st_mtime, default=Path(log_dir) / f'rank-{r}.err')
         tb = (f.message.get('extraInfo') or {}).get('py_callstack') if isinstance(f.message, dict) else None
         if tb:

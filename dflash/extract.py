@@ -297,9 +297,9 @@ def extract(*args, model=None, **kw):
         uniq, counts = np.unique(shard_sample_ids(out, read_manifest(out)), return_counts=True)
         if (counts > 1).any(): raise RuntimeError(f'{out}: sample {uniq[counts > 1][0]} was written twice')
         requested = bool(np.isin(np.arange(n), uniq).all())
-        m = update_manifest(out, lambda m: m.update(complete=requested and n == len(ds)))
+        m = update_manifest(out, lambda m: m.update(complete=requested, requested_samples=n, dataset_samples=len(ds)))
         el = time.time() - t0
-        if requested and n < len(ds): print(f'{out}: {n} of {len(ds)} samples extracted (max_samples={job.max_samples}); the extraction is not complete')
+        if requested and n < len(ds): print(f'{out}: the first {n} of {len(ds)} samples extracted, as max_samples={job.max_samples} asked: complete')
         return dict(out=str(out), complete=m['complete'], num_samples=m['num_samples'], num_tokens=m['num_tokens'], layer_ids=job.layer_ids,
                     skipped=len(done), samples=mon.samples, tokens=mon.tokens, seconds=el, samples_per_s=mon.samples / el,
                     tokens_per_s=mon.tokens / el, padding_efficiency=mon.tokens / mon.padded if mon.padded else 1.0, batches=mon.batches,

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['RESUME_KEYS', 'RUN_FILES', 'lr_factor', 'run_target', 'latest_checkpoint', 'save_checkpoint', 'Trainer', 'run_rank',
-           'run_drafter', 'prepare_job', 'train', 'train_cli']
+           'run_drafter', 'data_token_ids', 'resolve_mask_token', 'prepare_job', 'train', 'train_cli']
 
 # %% ../nbs/train.ipynb #1cd6cc48
 import hashlib, json, math, os, shutil, signal, sys, threading, time, traceback, warnings
@@ -22,7 +22,7 @@ from .data import TokenizedDataset, prepared
 from .batching import Plan, sources, served
 from .shards import ExtractedDataset, OfflineSource, check_extraction
 from .model import DFlashDraftModel, drafter_config, anchor_generator
-from .publish import save_drafter, model_card, mask_token_for
+from .publish import save_drafter, model_card, mask_token_for, mask_token_choice
 from .evaluate import TauProbe, NgramDrafter, tau_table
 from .dist import Coord, HSSender, OnlineSource, launch, peer_lost, store_from_env
 from .metrics import Meter, follow, progress_line
@@ -339,6 +339,22 @@ def _publish(cfg, trainer, probe, device):
                      f'lr {cfg.lr}, {cfg.num_anchors} anchors per sequence, token budget {cfg.token_budget}, seed {cfg.seed}.', taus, measured)
     return res
 
+# %% ../nbs/train.ipynb #991c8614
+def data_token_ids(cfg):
+    "The token ids of the run's training data: the tokenized dataset (online) or the extraction's `input_ids` (offline)."
+    if cfg.online: return np.unique(np.asarray(TokenizedDataset.load(cfg.data).input_ids))
+    ds = ExtractedDataset(cfg.extracted)
+    seen = [np.unique(ds._file(j).get_tensor('input_ids').numpy()) for j in range(len(ds.manifest['shards']))]
+    return np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
+
+def resolve_mask_token(cfg):
+    "Set `cfg.mask_token_id` (saying where it came from); refuse an id that occurs in the training data."
+    ids = data_token_ids(cfg)
+    m, why = mask_token_choice(cfg.target, cfg.mask_token_id, ids)
+    if np.isin(m, ids): raise ValueError(f'mask_token_id {m} ({why}) occurs in the training data: pass another mask_token_id')
+    if cfg.mask_token_id is None: cfg.set('mask_token_id', m, why)
+    return m
+
 # %% ../nbs/train.ipynb #4f921c9f
 RUN_FILES = ('metrics.jsonl', 'checkpoints', 'drafter', 'result.json', 'run.json', 'logs', 'loss.png', 'accuracy.png', 'throughput.png',
              'queue.png', 'dashboard.png')
@@ -357,11 +373,14 @@ def prepare_job(cfg):
     if cfg.layer_ids is None: cfg.set('layer_ids', default_layer_ids(L, cfg.num_layers), f'the DFlash rule for {cfg.num_layers} drafter layers')
     check_layer_ids(cfg.layer_ids, L)
     if cfg.resume and (ck := latest_checkpoint(out)) is not None:     # refuse changed settings before anything is written
+        old = json.loads((ck / 'COMPLETE').read_text()).get('config', {})
+        if cfg.mask_token_id is None and old.get('mask_token_id') is not None: cfg.set('mask_token_id', old['mask_token_id'], "the checkpoint's")
         _resume_changes(ck, json.loads((ck / 'COMPLETE').read_text()), cfg, None)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.online: cfg.data = str(Path(prepared(cfg.data, cfg.target, out, cfg.max_length)).resolve())
     else: cfg.extracted = str(Path(cfg.extracted).resolve())
     if earlier and not cfg.resume: print(f'the earlier run in {out} is now in {set_aside(out, RUN_FILES)}')
+    resolve_mask_token(cfg)
     if cfg.targets == 'auto': auto_split(cfg)
     cfg.save(out / 'config.json')
     return cfg

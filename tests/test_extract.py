@@ -262,10 +262,13 @@ def test_last_layer_is_stored_raw_not_normed(work, hybrid):
     torch.testing.assert_close(s['hidden_states'], capture(m, ids, layer_ids=[3])[0], atol=2e-5, rtol=1e-4)
     assert not torch.allclose(s['hidden_states'], ref_states(m, ids[0], [3]), atol=1e-3)   # hidden_states[4] is after the final norm
 
-def test_max_samples_extracts_a_prefix_that_is_not_complete(work):
-    "max_samples extracts the first samples; the manifest says complete only when the whole dataset is there."
+def test_max_samples_extracts_a_prefix_that_is_complete(work):
+    "max_samples extracts the first samples: a finished job (complete, the prefix recorded); an interrupted run is not complete."
     r = extract(work / 'hybrid', work / 'dataset', work / 'prefix', **KW, max_samples=10)
-    assert not r['complete'] and r['num_samples'] == 10 and not read_manifest(work / 'prefix')['complete']
+    m = read_manifest(work / 'prefix')
+    assert r['complete'] and r['num_samples'] == 10 and m['complete'] and (m['requested_samples'], m['dataset_samples']) == (10, 43)
+    assert len(ExtractedDataset(work / 'prefix', require_complete=True)) == 10
+    update_manifest(work / 'prefix', lambda m: m.update(complete=False))    # what a run killed mid-way leaves (it starts so)
     with pytest.raises(ValueError, match='not complete'): ExtractedDataset(work / 'prefix', require_complete=True)
-    r = extract(work / 'hybrid', work / 'dataset', work / 'prefix', **KW)     # the rest: resumed, now complete
-    assert r['complete'] and r['skipped'] == 10 and r['num_samples'] == 43
+    r = extract(work / 'hybrid', work / 'dataset', work / 'prefix', **KW)     # the rest: resumed, now the whole dataset
+    assert r['complete'] and r['skipped'] == 10 and r['num_samples'] == 43 and read_manifest(work / 'prefix')['requested_samples'] == 43

@@ -9,7 +9,7 @@ from dflash.data import prepare_cli, PrepareConfig
 from dflash.extract import extract_cli, extract
 from dflash.evaluate import evaluate_cli
 from dflash.train import train_cli, latest_checkpoint
-from dflash.shards import ExtractedDataset, read_manifest
+from dflash.shards import ExtractedDataset, read_manifest, update_manifest
 
 BIN = Path(sys.executable).parent
 
@@ -200,10 +200,45 @@ def test_train_refuses_a_corrupt_shard_and_saves_nothing(w, tmp_path):
           msg=f'{f}: corrupt (sha256 differs from the manifest). Resume the extraction')
     assert not (tmp_path / 'o/drafter').exists()
 
-def test_train_refuses_a_partial_extraction(w, tmp_path):
+def test_train_takes_a_requested_prefix_and_refuses_an_interrupted_extraction(w, tmp_path):
+    "An extraction of the first 5 samples (max_samples) is a finished job and trains; one a kill interrupted is refused."
     extract(target=str(w / 'target'), data=str(w / 'data'), out=str(tmp_path / 'x'), layer_ids=[1], max_samples=5, progress=False)
-    fails(train_cli, '--target', w / 'target', '--extracted', tmp_path / 'x', '--out', tmp_path / 'o', '--drafters', '1', *TRAIN,
+    code, err = cli(train_cli, '--target', w / 'target', '--extracted', tmp_path / 'x', '--out', tmp_path / 'o', '--drafters', '1', *TRAIN)
+    assert code == 0 and (tmp_path / 'o/drafter/config.json').exists(), err[-2000:]
+    update_manifest(tmp_path / 'x', lambda m: m.update(complete=False))   # as a run killed mid-way leaves it
+    fails(train_cli, '--target', w / 'target', '--extracted', tmp_path / 'x', '--out', tmp_path / 'o2', '--drafters', '1', *TRAIN,
           msg='the extraction is not complete')
+
+def test_train_on_prompts_only_points_to_regenerate(w, tmp_path):
+    "A file of prompts without replies: the message says to have the target answer them with dflash_regenerate."
+    rows = [json.loads(l) for l in open(TRAIN_DATA).readlines()[:6]]
+    prompts = tmp_path / 'prompts.jsonl'
+    prompts.write_text(''.join(json.dumps(dict(id=r['id'], conversations=r['conversations'][:1])) + '\n' for r in rows))
+    err = fails(train_cli, '--target', w / 'target', '--data', prompts, '--out', tmp_path / 'o', '--targets', '1', '--drafters', '1', *TRAIN,
+                msg='6 no assistant turn')
+    assert f'dflash_regenerate --target {w / "target"} --data {prompts} --out {tmp_path / "prompts-regen.jsonl"}' in err
+
+def test_train_mask_token_chosen_before_launch_and_never_in_the_data(w, tmp_path):
+    """A target with no mask token and no spare embedding row (as SmolLM2): the mask is a declared special token the template
+    and the data never use, chosen and said before any rank starts; an id the data holds is refused up front."""
+    t = tmp_path / 'full'; shutil.copytree(w / 'target', t)
+    tc = json.loads((t / 'tokenizer_config.json').read_text()); tc.pop('mask_token', None); (t / 'tokenizer_config.json').write_text(json.dumps(tc))
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(t)
+    from dflash.taps import load_target_config, text_config
+    assert text_config(load_target_config(t)).vocab_size == len(tok), 'no spare row'
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out): code = train_cli(list(map(str, ['--target', t, '--data', w / 'rows.jsonl', '--out', tmp_path / 'o',
+                                                                        '--targets', '1', '--drafters', '1', *TRAIN])))
+    assert code in (0, None), out.getvalue()[-3000:]
+    m = json.loads((tmp_path / 'o/drafter/config.json').read_text())['dflash_config']['mask_token_id']
+    assert m == tok.convert_tokens_to_ids('<|mask|>') and 'no mask token and no spare embedding row' in out.getvalue()
+    from dflash.data import TokenizedDataset
+    assert not np.isin(m, np.asarray(TokenizedDataset.load(tmp_path / 'o/dataset').input_ids)).any()
+    eos = tok.eos_token_id
+    fails(train_cli, '--target', t, '--data', w / 'rows.jsonl', '--out', tmp_path / 'o2', '--targets', '1', '--drafters', '1', *TRAIN,
+          '--mask-token-id', eos, msg=f'mask_token_id {eos} (given) occurs in the training data')
+    assert not (tmp_path / 'o2/logs').exists(), 'refused before any rank started'
 
 def test_train_nonfinite_gradients_stop_without_saving(w, tmp_path, make_target, save_target):
     "A target whose hidden states are NaN: every step is skipped and logged with its samples, and the run stops after 3."

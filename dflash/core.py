@@ -85,9 +85,9 @@ class Feeder:
         return item
 
 # %% ../nbs/core.ipynb #c0907ef8
-def param(default=None, help='', *, min=None, max=None, choices=None):
-    "A job parameter: a dataclass field with its `default`, `help` text and allowed values (`min`, `max`, `choices`)."
-    return field(default=default, metadata=dict(help=help, min=min, max=max, choices=choices))
+def param(default=None, help='', *, min=None, max=None, choices=None, gt=None):
+    "A job parameter: a dataclass field with its `default`, `help` text and allowed values (`min`, `max`, `choices`; `gt`: above, not equal)."
+    return field(default=default, metadata=dict(help=help, min=min, max=max, choices=choices, gt=gt))
 
 def target_param():
     "The `target` parameter every job has."
@@ -136,6 +136,7 @@ def check_param(f, v):
         if (lo is not None and v < lo) or (hi is not None and v > hi):
             rng = f'>= {lo}' if hi is None else f'<= {hi}' if lo is None else f'in [{lo}, {hi}]'
             raise ValueError(f'{f.name}={v!r}: must be {rng}')
+        if m.get('gt') is not None and v <= m['gt']: raise ValueError(f"{f.name}={v!r}: must be > {m['gt']}")
     return v
 
 # %% ../nbs/core.ipynb #7ed7c1fb

@@ -59,6 +59,8 @@ class RegenerateConfig(Job):
     batch_size: int = param(8, 'conversations decoded together', min=1)
     max_new_tokens: int = param(256, 'tokens per reply at most (a reply cut there is counted)', min=1)
     temperature: float = param(0.0, '0: greedy; else sampled at this temperature from a seeded generator', min=0)
+    top_p: float = param(1.0, 'nucleus sampling: the smallest set of tokens whose probability reaches top_p (with temperature > 0)', min=0, max=1)
+    top_k: int = param(0, 'sample among the k likeliest tokens; 0: all (with temperature > 0)', min=0)
     seed: int = param(0, 'seed of the sampling')
     max_samples: int | None = param(None, 'only the first conversations', min=1)
     device: str | None = param(None, 'cuda:N or cpu; None: a GPU if there is one')
@@ -89,7 +91,7 @@ def regenerate(*args, **kw):
     from transformers import GenerationConfig
     ge = model.generation_config.eos_token_id
     eos = sorted({tok.eos_token_id, *(ge if isinstance(ge, list) else [ge])} - {None})
-    how = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    how = dict(do_sample=True, temperature=temperature, top_k=job.top_k, top_p=job.top_p) if temperature > 0 else dict(do_sample=False)
     gc = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=eos, **how)
     cuda = [model.device.index or 0] if model.device.type == 'cuda' else []
     queue, active, n_turns, n_cut = list(reversed(todo)), [], 0, 0

@@ -178,6 +178,10 @@ def test_extract_full_disk_keeps_nothing_half_written_and_resumes(w, tmp_path):
 
 def test_train_block_size_1(w): fails(train_cli, '--block-size', '1', msg='block_size=1: must be >= 2')
 
+def test_train_zero_lr(w): fails(train_cli, '--lr', '0', msg='lr=0.0: must be > 0')
+
+def test_train_zero_epochs(w): fails(train_cli, '--epochs', '0', msg='epochs=0.0: must be > 0')
+
 def test_train_zero_anchors(w): fails(train_cli, '--num-anchors', '0', msg='num_anchors=0: must be >= 1')
 
 def test_train_auto_split_needs_two_ranks(w): fails(train_cli, '--targets', 'auto', '--ranks', '1', msg='ranks=1: must be >= 2')

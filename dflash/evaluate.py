@@ -375,15 +375,15 @@ def evaluate_job(*args, **kw):
     out = claim_out(job.out, job)
     print(job.announce())
     if job.drafter: check_drafter(DFlashDraftModel.config_class.from_pretrained(job.drafter), load_target_config(job.target), job.target)
-    tok, target = load_tokenizer(job.target), load_target(job.target, job.dtype)
+    tok = load_tokenizer(job.target)
+    sets = {f: load_prompts(tok, f, job.num_prompts) for f in job.files}      # every file checked before any model loads
+    target = load_target(job.target, job.dtype)
     drafters = {'dflash': load_drafter(job.drafter, target)} if job.drafter else {}
     out.mkdir(parents=True, exist_ok=True); job.save(out / 'config.json')
     drafters['ngram'] = NgramDrafter()
     B = drafters['dflash'].block_size if job.drafter else 16
     results = {}
-    for f in job.files:
-        prompts = load_prompts(tok, f, job.num_prompts)
-        results[f] = evaluate_many(target, drafters, prompts, job.max_new_tokens, B, progress=True)
+    for f, prompts in sets.items(): results[f] = evaluate_many(target, drafters, prompts, job.max_new_tokens, B, progress=True)
     print(tau_table(results))
     write_json_atomic(out / 'results.json', dict(config=job.to_dict(), target=target_name(job.target), results=results))
     for i, (f, res) in enumerate(results.items()): plot_results(res, out / f'acceptance-{i}.png')

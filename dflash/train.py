@@ -17,13 +17,13 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from .core import Job, run_cli, write_json_atomic, append_jsonl, claim_out, set_aside
 from .taps import (capture, pad_batch, text_config, default_layer_ids, check_layer_ids, peak_mem_bytes, load_target, load_target_io,
-                         load_target_config, target_name, target_revision, config_sha256)
+                         load_target_config, target_name, target_revision, config_sha256, load_tokenizer)
 from .data import TokenizedDataset, prepared
 from .batching import Plan, sources, served
 from .shards import ExtractedDataset, OfflineSource, check_extraction
 from .model import DFlashDraftModel, drafter_config, anchor_generator
 from .publish import save_drafter, model_card, mask_token_for, mask_token_choice
-from .evaluate import TauProbe, NgramDrafter, tau_table
+from .evaluate import TauProbe, NgramDrafter, tau_table, load_prompts
 from .dist import Coord, HSSender, OnlineSource, launch, peer_lost, store_from_env
 from .metrics import Meter, follow, progress_line
 from .recipe import TrainConfig, rank_device
@@ -372,6 +372,9 @@ def prepare_job(cfg):
     if cfg.layer_ids is None and not cfg.online: cfg.set('layer_ids', ExtractedDataset(cfg.extracted).layer_ids, "the extraction's")
     if cfg.layer_ids is None: cfg.set('layer_ids', default_layer_ids(L, cfg.num_layers), f'the DFlash rule for {cfg.num_layers} drafter layers')
     check_layer_ids(cfg.layer_ids, L)
+    if cfg.final_eval or cfg.eval_every:                             # every eval file read before anything trains
+        tok = load_tokenizer(cfg.target)
+        for f in cfg.eval_data.split(','): f.strip() and load_prompts(tok, f.strip(), cfg.eval_prompts)
     if cfg.resume and (ck := latest_checkpoint(out)) is not None:     # refuse changed settings before anything is written
         old = json.loads((ck / 'COMPLETE').read_text()).get('config', {})
         if cfg.mask_token_id is None and old.get('mask_token_id') is not None: cfg.set('mask_token_id', old['mask_token_id'], "the checkpoint's")

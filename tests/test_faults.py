@@ -196,6 +196,13 @@ def test_train_missing_eval_file(w, tmp_path):
     fails(train_cli, '--target', w / 'target', '--extracted', w / 'x', '--out', tmp_path / 'o', '--drafters', '1', '--eval-data',
           tmp_path / 'mt.jsonl', '--max-steps', '1', *TRAIN[:-10], msg='mt.jsonl')
 
+def test_train_bad_eval_file_is_refused_before_training(w, tmp_path):
+    "An eval file with no usable prompt stops the run before any step: no checkpoint, no drafter."
+    (tmp_path / 'bad.jsonl').write_text(json.dumps({'messages': [{'role': 'assistant', 'content': 'hi'}]}) + '\n')
+    fails(train_cli, '--target', w / 'target', '--extracted', w / 'x', '--out', tmp_path / 'o', '--drafters', '1', *[t for t in TRAIN if t != '--no-final-eval'],
+          '--eval-data', tmp_path / 'bad.jsonl', '--eval-prompts', '1', msg='bad.jsonl row 1: no turns')
+    assert not (tmp_path / 'o/checkpoints').exists() and not (tmp_path / 'o/drafter').exists()
+
 def test_train_refuses_a_corrupt_shard_and_saves_nothing(w, tmp_path):
     "Offline training checks each shard's sha256 before using it: a corrupt one stops the run, named, with how to repair it."
     x = _copy(w, tmp_path); f = x / read_manifest(x)['shards'][0]['file']
@@ -306,5 +313,12 @@ def test_evaluate_no_usable_prompts(w, run, tmp_path):
     (tmp_path / 'p.jsonl').write_text(json.dumps({'messages': [{'role': 'assistant', 'content': 'hi'}]}) + '\n')
     fails(evaluate_cli, '--target', w / 'target', '--drafter', run / 'drafter', '--eval-data', tmp_path / 'p.jsonl', '--out', tmp_path / 'e',
           msg='p.jsonl row 1: no turns')
+
+def test_evaluate_checks_every_file_before_evaluating(w, run, tmp_path):
+    "good,empty: the empty file is named before the good one is evaluated (nothing is written)."
+    (tmp_path / 'empty.jsonl').write_text('')
+    fails(evaluate_cli, '--target', w / 'target', '--drafter', run / 'drafter', '--eval-data', f'{HELDOUT_DATA},{tmp_path / "empty.jsonl"}',
+          '--out', tmp_path / 'e', '--num-prompts', '1', msg='empty.jsonl: the file is empty')
+    assert not (tmp_path / 'e/results.json').exists() and not (tmp_path / 'e/config.json').exists()
 
 def test_evaluate_zero_prompts(w): fails(evaluate_cli, '--num-prompts', '0', msg='num_prompts=0: must be >= 1')

@@ -269,6 +269,20 @@ def run(w, tmp_path_factory):
     assert cli(train_cli, '--target', w / 'target', '--extracted', w / 'x', '--out', out, '--drafters', '1', *TRAIN)[0] == 0
     return out
 
+def test_train_full_disk_at_a_checkpoint_names_the_file_and_keeps_the_last(w, tmp_path):
+    "Files capped (as a full disk stops them) while a checkpoint is written: the message says so and names the file; step 2 stays."
+    args = ['--target', w / 'target', '--extracted', w / 'x', '--out', tmp_path / 'o', '--drafters', '1', *TRAIN, '--max-steps', '2']
+    assert cli(train_cli, *args)[0] == 0
+    before = tree(tmp_path / 'o/checkpoints')
+    def cap():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (96 << 10, 96 << 10))
+    more = [*args[:-1], '4', '--resume', '--resume-changes', 'max_steps', '--ckpt-every', '2']
+    r = subprocess.run([str(BIN / 'dflash_train'), *map(str, more)], capture_output=True, text=True, timeout=300, preexec_fn=cap)
+    assert r.returncode == 1 and 'the disk is full (or the file size limit was hit) writing' in r.stderr, r.stderr[-2000:]
+    assert '.step-4.tmp/' in r.stderr and 'The last complete checkpoint' in r.stderr
+    kept(before, tmp_path / 'o/checkpoints'); assert latest_checkpoint(tmp_path / 'o').name == 'step-2'
+    assert not list((tmp_path / 'o/checkpoints').glob('.step-*'))
+
 def test_train_fresh_run_refuses_an_earlier_one(w, run):
     before = tree(run)
     fails(train_cli, '--target', w / 'target', '--extracted', w / 'x', '--out', run, '--drafters', '1', *TRAIN,

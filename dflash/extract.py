@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, data_param, out_param, run_cli, claim_out
-from .taps import (capture, pad_batch, text_config, check_layer_ids, default_layer_ids, parse_dtype, dtype_name, peak_mem_bytes,
+from .taps import (capture, check_finite, pad_batch, text_config, check_layer_ids, default_layer_ids, parse_dtype, dtype_name, peak_mem_bytes,
                          load_target, load_target_config, target_name, config_sha256)
 from .data import TokenizedDataset, prepared
 from .batching import token_budget_batches, split_batches, DEFAULT_TOKEN_BUDGET, DEFAULT_MAX_BATCH_SIZE
@@ -67,7 +67,8 @@ class Extractor:
         if self.mem_limit_tokens is not None and ids.numel() > self.mem_limit_tokens:
             raise torch.OutOfMemoryError(f'{ids.numel()} padded tokens > mem_limit_tokens={self.mem_limit_tokens} (injected)')
         if self.device.type == 'cuda': ids, mask, index = (t.pin_memory().to(self.device, non_blocking=True) for t in (ids, mask, index))
-        hs = capture(self.model, ids, mask, self.layer_ids, index)
+        hs = check_finite(capture(self.model, ids, mask, self.layer_ids, index), self.layer_ids, [len(r['input_ids']) for r in rows],
+                          [self.ds.ids[int(i)] for i in batch])
         scale = None
         if self.fp8: hs, scale = quantize_fp8(hs)
         elif self.store_dtype is not None: hs = hs.to(self.store_dtype)

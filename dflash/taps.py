@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['LAYER_PATHS', 'DTYPES', 'default_layer_ids', 'check_layer_ids', 'text_config', 'decoder_layers', 'StopForward',
-           'tap_layers', 'tapped', 'capture', 'pad_batch', 'parse_dtype', 'dtype_name', 'peak_mem_bytes',
-           'resolve_target', 'target_name', 'target_revision', 'load_tokenizer', 'load_target', 'load_target_config',
-           'load_target_io', 'tokenizer_sha256', 'config_sha256']
+           'tap_layers', 'tapped', 'capture', 'pad_batch', 'NonFiniteStates', 'check_finite', 'parse_dtype',
+           'dtype_name', 'peak_mem_bytes', 'resolve_target', 'target_name', 'target_revision', 'load_tokenizer',
+           'load_target', 'load_target_config', 'load_target_io', 'tokenizer_sha256', 'config_sha256']
 
 # %% ../nbs/taps.ipynb #05c80b55
 import hashlib, importlib.util, json, os, resource
@@ -112,6 +112,18 @@ def pad_batch(seqs, pad_id=0):
     mask = torch.zeros(ids.shape, dtype=torch.long)
     for r, s in enumerate(seqs): ids[r, :len(s)] = torch.as_tensor(np.asarray(s, dtype=np.int64)); mask[r, :len(s)] = 1
     return ids, mask, mask.flatten().nonzero().squeeze(1)
+
+# %% ../nbs/taps.ipynb #4369d22b
+class NonFiniteStates(ValueError): "The target's tapped hidden states hold NaN or inf."
+
+def check_finite(rows, layer_ids, lengths, sample_ids):
+    "Raise `NonFiniteStates` naming the first sample and tapped layer whose rows `[T, n*H]` are not finite (samples of `lengths`)."
+    if torch.isfinite(rows.sum(dtype=torch.float32)): return rows
+    bad = ~torch.isfinite(rows.reshape(len(rows), len(layer_ids), -1)).all(-1)          # [T, n]
+    r, j = (int(x) for x in bad.nonzero()[0])
+    s = int(np.searchsorted(np.cumsum(lengths), r, side='right'))
+    raise NonFiniteStates(f'the target produced non-finite hidden states at layer {layer_ids[j]} for sample {sample_ids[s]} '
+                          f'(and {int(bad.any(1).sum())} rows in all of samples {list(sample_ids)[:8]}): check the target\'s weights and dtype')
 
 # %% ../nbs/taps.ipynb #c85f72f2
 DTYPES = {'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16, 'fp16': torch.float16, 'float16': torch.float16, 'half': torch.float16,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from .core import Job, run_cli, write_json_atomic, append_jsonl, claim_out, set_aside
-from .taps import (capture, pad_batch, text_config, default_layer_ids, check_layer_ids, peak_mem_bytes, load_target, load_target_io,
+from .taps import (capture, check_finite, pad_batch, text_config, default_layer_ids, check_layer_ids, peak_mem_bytes, load_target, load_target_io,
                          load_target_config, target_name, target_revision, config_sha256, load_tokenizer)
 from .data import TokenizedDataset, prepared
 from .batching import Plan, sources, served
@@ -61,7 +61,8 @@ def run_target(cfg, coord, t, plan, ds, device, pg, model=None):
         rows = [ds[int(j)] for j in plan.batch(d, p)]
         tf = time.perf_counter()
         ids, mask, index = pad_batch([r['input_ids'] for r in rows], pad_id)
-        hs = capture(model, ids.to(device), mask.to(device), cfg.layer_ids, index.to(device))
+        hs = check_finite(capture(model, ids.to(device), mask.to(device), cfg.layer_ids, index.to(device)), cfg.layer_ids,
+                          [len(r['input_ids']) for r in rows], [ds.ids[int(j)] for j in plan.batch(d, p)])
         if device.type == 'cuda': torch.cuda.synchronize(device)
         fwd_s += time.perf_counter() - tf
         if not senders[d].send(hs, np.concatenate([r['input_ids'] for r in rows]), np.concatenate([r['loss_mask'] for r in rows]),

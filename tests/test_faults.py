@@ -251,16 +251,24 @@ def test_train_mask_token_chosen_before_launch_and_never_in_the_data(w, tmp_path
           '--mask-token-id', eos, msg=f'mask_token_id {eos} (given) occurs in the training data')
     assert not (tmp_path / 'o2/logs').exists(), 'refused before any rank started'
 
-def test_train_nonfinite_gradients_stop_without_saving(w, tmp_path, make_target, save_target):
-    "A target whose hidden states are NaN: every step is skipped and logged with its samples, and the run stops after 3."
+@pytest.fixture(scope='module')
+def nan_target(w, make_target, save_target):
+    "The faults' target with a NaN weight in layer 0: every state it taps is NaN."
     bad = make_target('qwen3_5')
     with torch.no_grad(): bad.model.layers[0].mlp.down_proj.weight.fill_(float('nan'))
-    save_target(bad, tmp_path / 'nan-target')
-    extract(target=str(tmp_path / 'nan-target'), data=str(w / 'data'), out=str(tmp_path / 'x'), layer_ids=[1, 3], token_budget=512, progress=False)
-    fails(train_cli, '--target', tmp_path / 'nan-target', '--extracted', tmp_path / 'x', '--out', tmp_path / 'o', '--drafters', '1', *TRAIN,
-          msg='the gradient was not finite 3 steps in a row')
-    events = [m for m in read_metrics(tmp_path / 'o') if m.get('event') == 'nonfinite']
-    assert len(events) == 3 and all(e['samples'] for e in events) and not (tmp_path / 'o/drafter').exists()
+    return save_target(bad, w / 'nan-target')
+
+def test_extract_nonfinite_target_states_stop_naming_sample_and_layer(w, nan_target, tmp_path):
+    "A NaN weight in layer 0: extraction stops at its first batch naming the layer and the sample; nothing is marked complete."
+    code, err = cli(extract_cli, '--target', nan_target, '--data', w / 'data', '--out', tmp_path / 'x', '--layer-ids', '1,3', '--no-progress')
+    assert code == 1 and 'dflash_extract: error: the target produced non-finite hidden states at layer 1 for sample' in err, err[-2000:]
+    assert not read_manifest(tmp_path / 'x')['complete']
+
+def test_train_online_nonfinite_target_states_named_on_the_top_line(w, nan_target, tmp_path):
+    "Online, the target rank stops with the reason, and the command's one line carries it (not just an exit code)."
+    err = fails(train_cli, '--target', nan_target, '--data', w / 'data', '--out', tmp_path / 'o', '--targets', '1', '--drafters', '1', *TRAIN,
+                msg='rank 0 (target 0) failed: NonFiniteStates: the target produced non-finite hidden states at layer')
+    assert not (tmp_path / 'o/drafter').exists()
 
 @pytest.fixture(scope='module')
 def run(w, tmp_path_factory):

@@ -52,13 +52,13 @@ ROLES = {'system': 'system', 'human': 'user', 'user': 'user', 'gpt': 'assistant'
          'model': 'assistant', 'chatgpt': 'assistant', 'bing': 'assistant',  # the last two as in raw ShareGPT dumps
          'tool': 'tool', 'function': 'tool'}
 REASONS = ['not an object', 'no conversations or messages', 'no turns', 'bad turn', 'unknown role',
-           'non-string content', 'no assistant turn', 'duplicate id', 'template error', 'too few loss tokens']
+           'non-string content', 'no assistant turn', 'empty reply', 'duplicate id', 'template error', 'too few loss tokens']
 
 class BadRow(Exception):
     "Why a row is unusable: one of `REASONS`, and where in the row."
     def __init__(self, reason, detail=''): super().__init__(reason, detail); self.reason, self.detail = reason, detail
 
-def normalize(rec, row, need_answer=True):
+def normalize(rec, row, need_answer=True, keep_empty=False):
     "`(id, messages)` of the record `rec` at `row`, or `BadRow`. The id is `id`, else `conversation_id`, else the row."
     if not isinstance(rec, dict): raise BadRow('not an object', f'a JSON {_kind(rec)}')
     key = next((k for k in ('conversations', 'messages') if k in rec), None)
@@ -75,6 +75,8 @@ def normalize(rec, row, need_answer=True):
         msgs.append(dict(role=ROLES[role.lower()], content=content))
     if need_answer and not any(m['role'] == 'assistant' for m in msgs):
         raise BadRow('no assistant turn', f'roles: {", ".join(m["role"] for m in msgs)}')
+    if need_answer and not keep_empty and (j := next((j for j, m in enumerate(msgs) if m['role'] == 'assistant' and not m['content'].strip()), None)) is not None:
+        raise BadRow('empty reply', f'turn {j} is an assistant turn with no text (it would train on a lone end-of-turn token)')
     rid = next((rec[k] for k in ('id', 'conversation_id') if rec.get(k) is not None), row)
     return str(rid), msgs
 
@@ -85,12 +87,12 @@ def prompt_of(msgs):
     return msgs[:k]
 
 # %% ../nbs/data.ipynb #b785a528
-def load_conversations(path, max_samples=None, need_answer=True):
+def load_conversations(path, max_samples=None, need_answer=True, keep_empty=False):
     "Valid conversations `[dict(id, row, messages)]` of `path` and the problems `[dict(file, row, reason, detail)]`."
     convs, problems, seen = [], [], set()
     for row, rec in read_rows(path)[:max_samples]:
         try:
-            cid, msgs = normalize(rec, row, need_answer)
+            cid, msgs = normalize(rec, row, need_answer, keep_empty)
             if cid in seen: raise BadRow('duplicate id', repr(cid))
         except BadRow as e: problems.append(dict(file=str(path), row=row, reason=e.reason, detail=e.detail)); continue
         seen.add(cid); convs.append(dict(id=cid, row=row, file=str(path), messages=msgs))
@@ -289,6 +291,7 @@ class PrepareConfig(Job):
     strict: bool = param(False, 'stop with a list of the bad rows instead of skipping them')
     max_samples: int | None = param(None, 'only read the first rows', min=1)
     allow_empty: bool = param(False, 'save an empty dataset when no row is usable, instead of stopping with the reasons')
+    keep_empty_replies: bool = param(False, 'keep rows with an empty assistant reply (each trains on a lone end-of-turn token); default: skip and count them')
 
     def check(self):
         if self.data is None: self.set('data', str(TRAIN_DATA), 'the embedded train split')
@@ -321,7 +324,7 @@ def prepare(*args, tokenizer=None, **kw):
     t0, out = time.time(), claim_out(job.out, job)
     print(job.announce())
     tok = tokenizer or load_tokenizer(job.target)
-    convs, problems = load_conversations(job.data, job.max_samples)
+    convs, problems = load_conversations(job.data, job.max_samples, keep_empty=job.keep_empty_replies)
     rows = len(convs) + len(problems)
     report = dict(file=str(Path(job.data).resolve()), target=target_name(job.target), rows=rows, max_length=job.max_length,
                   min_loss_tokens=job.min_loss_tokens)

@@ -277,6 +277,7 @@ def extract(*args, model=None, **kw):
         if job.layer_ids is None: job.set('layer_ids', default_layer_ids(L, job.num_draft_layers), f'the DFlash rule for {job.num_draft_layers} drafter layers')
         check_layer_ids(job.layer_ids, L)
         ds = TokenizedDataset.load(prepared(job.data, job.target, out, job.max_length))
+        if not len(ds): raise ValueError(f'data: {job.data} holds no samples (the prepared dataset {ds.path} is empty): nothing to extract')
         m = open_out(out, _header(job, config, ds, dt, store), job.overwrite)
         job.save(out / 'config.json')
         n = len(ds) if job.max_samples is None else min(job.max_samples, len(ds))

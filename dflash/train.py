@@ -396,6 +396,8 @@ def prepare_job(cfg):
     out.mkdir(parents=True, exist_ok=True)
     if cfg.online: cfg.data = str(Path(prepared(cfg.data, cfg.target, out, cfg.max_length)).resolve())
     else: cfg.extracted = str(Path(cfg.extracted).resolve())
+    if not (n := len(TokenizedDataset.load(cfg.data) if cfg.online else ExtractedDataset(cfg.extracted))):
+        raise ValueError(f'{"data: " + cfg.data if cfg.online else "extracted: " + cfg.extracted} holds no samples: nothing to train on')
     if earlier and not cfg.resume: print(f'the earlier run in {out} is now in {set_aside(out, RUN_FILES)}')
     resolve_mask_token(cfg)
     if cfg.targets == 'auto': auto_split(cfg)

@@ -86,6 +86,17 @@ def test_prepare_strict_keeps_the_earlier_dataset(w, tmp_path):
     fails(prepare_cli, '--data', tmp_path / 'mixed.jsonl', '--out', tmp_path / 'data', '--strict', msg='1 bad rows (strict mode)')
     kept(before, tmp_path / 'data')
 
+def test_prepare_skips_and_counts_empty_replies(w, tmp_path):
+    "An empty assistant reply would train on a lone end-of-turn token: skipped and counted by default, kept with the flag."
+    rows = [json.loads(l) for l in open(TRAIN_DATA).readlines()[:5]]
+    next(t for t in rows[2]['conversations'] if t['from'] == 'gpt')['value'] = '  '
+    (tmp_path / 'r.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    assert cli(prepare_cli, '--data', tmp_path / 'r.jsonl', '--target', w / 'target', '--out', tmp_path / 'd')[0] == 0
+    rep = json.loads((tmp_path / 'd/report.json').read_text())
+    assert rep['kept'] == 4 and 'empty reply' in json.dumps(rep)
+    assert cli(prepare_cli, '--data', tmp_path / 'r.jsonl', '--target', w / 'target', '--out', tmp_path / 'k', '--keep-empty-replies')[0] == 0
+    assert json.loads((tmp_path / 'k/report.json').read_text())['kept'] == 5
+
 def test_prepare_out_is_a_file(w, tmp_path):
     (tmp_path / 'f').write_text('x')
     fails(prepare_cli, '--out', tmp_path / 'f', msg='is a file, not a directory')
@@ -175,6 +186,16 @@ def test_extract_full_disk_keeps_nothing_half_written_and_resumes(w, tmp_path):
 
 
 # --- train -------------------------------------------------------------------------------------------------------
+
+def test_empty_dataset_refused_up_front_by_extract_and_train(w, tmp_path):
+    "A dataset with no samples: extraction and online training each say so before any model loads or rank starts."
+    (tmp_path / 'p.jsonl').write_text(json.dumps({'messages': [{'role': 'user', 'content': 'hi'}]}) + '\n')
+    assert cli(prepare_cli, '--data', tmp_path / 'p.jsonl', '--target', w / 'target', '--out', tmp_path / 'd', '--allow-empty')[0] == 0
+    fails(extract_cli, '--target', w / 'target', '--data', tmp_path / 'd', '--out', tmp_path / 'x', msg='holds no samples')
+    assert not (tmp_path / 'x/manifest.json').exists() or not read_manifest(tmp_path / 'x')['complete']
+    fails(train_cli, '--target', w / 'target', '--data', tmp_path / 'd', '--out', tmp_path / 'o', '--targets', '1', '--drafters', '1', *TRAIN,
+          msg='holds no samples: nothing to train on')
+    assert not (tmp_path / 'o/logs').exists()
 
 def test_train_block_size_1(w): fails(train_cli, '--block-size', '1', msg='block_size=1: must be >= 2')
 

@@ -6,7 +6,7 @@
 __all__ = ['ROLES', 'REASONS', 'LLAMA3_TEMPLATE', 'DataError', 'read_rows', 'BadRow', 'normalize', 'prompt_of',
            'load_conversations', 'describe', 'check', 'render', 'special_strings', 'assistant_spans', 'spans_to_mask',
            'encode', 'show_mask', 'encode_all', 'TokenizedDataset', 'PrepareConfig', 'prompts_hint', 'prepare',
-           'prepare_cli', 'prepared']
+           'prepare_cli', 'other_dataset', 'prepared']
 
 # %% ../nbs/data.ipynb #bdc63938
 import hashlib, json, os, shutil, time
@@ -369,6 +369,16 @@ def prepare_cli(argv=None):
     return run_cli(prepare, PrepareConfig, 'dflash_prepare', argv)
 
 # %% ../nbs/data.ipynb #3b8a5076
+def _source(p, target, max_length):
+    return dict(source=str(Path(p).resolve()), sha256=file_sha256(p), target=target_name(target), max_length=max_length)
+
+def other_dataset(data, target, out, max_length=2048):
+    "The source `out/dataset` was prepared from, if the file `data` (for `target`, `max_length`) would replace it; else None."
+    marker = Path(out) / 'dataset.json'
+    if not Path(data).is_file() or not marker.exists(): return None
+    old, new = json.loads(marker.read_text()), _source(data, target, max_length)
+    return None if all(old.get(k) == new[k] for k in ('sha256', 'target', 'max_length')) else old.get('source')
+
 def prepared(data, target, out, max_length=2048):
     "Directory of the tokenized dataset for `data`: `data` itself if it is one, else `out/dataset` prepared from the file (once)."
     p, out = Path(data), Path(out)
@@ -376,8 +386,7 @@ def prepared(data, target, out, max_length=2048):
         if not (p / 'meta.json').exists(): raise FileNotFoundError(f'data: {p} is a directory but not a prepared dataset (no meta.json)')
         return p
     if not p.exists(): raise FileNotFoundError(f'data: no such file: {p}')
-    src = dict(source=str(p.resolve()), sha256=file_sha256(p), target=target_name(target), max_length=max_length)
-    marker, d = out / 'dataset.json', out / 'dataset'
+    src, marker, d = _source(p, target, max_length), out / 'dataset.json', out / 'dataset'
     if not (marker.exists() and json.loads(marker.read_text()) == src and (d / 'meta.json').exists()):
         out.mkdir(parents=True, exist_ok=True); marker.unlink(missing_ok=True)
         prepare(data=str(p), target=str(target), out=str(d), max_length=max_length)

@@ -15,7 +15,7 @@ import torch
 from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, data_param, out_param, run_cli, claim_out
 from .taps import (capture, check_finite, pad_batch, text_config, check_layer_ids, default_layer_ids, parse_dtype, dtype_name, peak_mem_bytes,
                          load_target, load_target_config, target_name, config_sha256)
-from .data import TokenizedDataset, prepared
+from .data import TokenizedDataset, prepared, other_dataset
 from .batching import token_budget_batches, split_batches, DEFAULT_TOKEN_BUDGET, DEFAULT_MAX_BATCH_SIZE
 from .metrics import Monitor, plot_throughput
 from .shards import (ShardWriter, ExtractedDataset, open_out, read_manifest, update_manifest, shard_sample_ids, run_lock,
@@ -276,6 +276,9 @@ def extract(*args, model=None, **kw):
         L = text_config(config).num_hidden_layers
         if job.layer_ids is None: job.set('layer_ids', default_layer_ids(L, job.num_draft_layers), f'the DFlash rule for {job.num_draft_layers} drafter layers')
         check_layer_ids(job.layer_ids, L)
+        if read_manifest(out) is not None and not job.overwrite and (old := other_dataset(job.data, job.target, out, job.max_length)):
+            raise ValueError(f'out: {out} holds the extraction of another dataset ({old}, now {job.data}): overwrite=True sets it aside, '
+                             'or choose another out')
         ds = TokenizedDataset.load(prepared(job.data, job.target, out, job.max_length))
         if not len(ds): raise ValueError(f'data: {job.data} holds no samples (the prepared dataset {ds.path} is empty): nothing to extract')
         m = open_out(out, _header(job, config, ds, dt, store), job.overwrite)

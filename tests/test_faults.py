@@ -155,6 +155,16 @@ def test_extract_refuses_other_layers_and_keeps_the_shards(w, tmp_path):
     fails(extract_cli, '--target', w / 'target', '--data', w / 'data', '--out', x, '--layer-ids', '1,2', msg='layer_ids=[1, 3] (now [1, 2])')
     kept(before, x)
 
+def test_extract_refused_for_another_dataset_changes_nothing(w, tmp_path):
+    "An out holding the extraction of another file is refused before the new file is tokenized: its dataset stays as it was."
+    x = tmp_path / 'x'
+    assert cli(extract_cli, '--target', w / 'target', '--data', w / 'rows.jsonl', '--out', x, '--layer-ids', '1', '--no-progress')[0] == 0
+    before = tree(x)
+    (tmp_path / 'other.jsonl').write_text(''.join(open(TRAIN_DATA).readlines()[40:60]))
+    fails(extract_cli, '--target', w / 'target', '--data', tmp_path / 'other.jsonl', '--out', x, '--layer-ids', '1', '--no-progress',
+          msg=f'out: {x} holds the extraction of another dataset')
+    assert tree(x) == before
+
 def test_extract_overwrite_sets_the_earlier_one_aside(w, tmp_path):
     x = _copy(w, tmp_path); shards = tree(x); shards = {k: v for k, v in shards.items() if k.startswith('shard-')}
     code, _ = cli(extract_cli, '--target', w / 'target', '--data', w / 'data', '--out', x, '--layer-ids', '2', '--overwrite', '--no-progress')
@@ -333,10 +343,13 @@ def test_train_resume_refuses_changed_settings(w, run, tmp_path, change, value):
     fails(train_cli, '--target', w / 'target', '--extracted', w / 'x', '--out', tmp_path / 'o', '--drafters', '1', *args, '--resume',
           msg=f"resume: {tmp_path / 'o'}/checkpoints/step-")
     kept(before, tmp_path / 'o')
-    code, err = cli(train_cli, '--target', w / 'target', '--extracted', w / 'x', '--out', tmp_path / 'o', '--drafters', '1', *args,
-                    '--resume', '--resume-changes', key)
-    if key == 'num_layers': assert code == 1 and 'does not fit this config' in err     # a new shape cannot continue
+    if key == 'num_layers':                                     # a new shape is not offered as an override, and is refused whole
+        fails(train_cli, '--target', w / 'target', '--extracted', w / 'x', '--out', tmp_path / 'o', '--drafters', '1', *args, '--resume',
+              '--resume-changes', key, msg="num_layers=2: the drafter's shape differs, so the run cannot continue")
+        kept(before, tmp_path / 'o'); assert tree(tmp_path / 'o') == before
     else:
+        code, err = cli(train_cli, '--target', w / 'target', '--extracted', w / 'x', '--out', tmp_path / 'o', '--drafters', '1', *args,
+                        '--resume', '--resume-changes', key)
         assert code == 0
         ev = [m for m in read_metrics(tmp_path / 'o') if m.get('event') == 'resume'][-1]
         assert list(ev['changed']) == [key]

@@ -77,7 +77,7 @@ if __name__ == '__main__':
     ap.add_argument('--out', default=str(ROOT / 'runs' / 'real-demo'))
     ap.add_argument('--conversations', type=int, default=None, help='training conversations; None: every one in the regenerated file')
     ap.add_argument('--epochs', type=int, default=2); ap.add_argument('--anchors', type=int, default=16)
-    ap.add_argument('--token-budget', type=int, default=4096); ap.add_argument('--lr', type=float, default=3e-3)
+    ap.add_argument('--token-budget', type=int, default=2048); ap.add_argument('--lr', type=float, default=2e-3)
     ap.add_argument('--max-length', type=int, default=1024)
     ap.add_argument('--eval-prompts', type=int, default=12); ap.add_argument('--eval-max-new-tokens', type=int, default=128)
     main(ap.parse_args())

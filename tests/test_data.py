@@ -250,7 +250,7 @@ def test_regenerate_resumes(random_target, tmp_path):
         assert [m['role'] for m in r['messages']] == [m['role'] for m in old[r['id']]]
         for m, o in zip(r['messages'], old[r['id']]):
             assert (m['content'] != o['content']) if m['role'] == 'assistant' else (m['content'] == o['content'])
-    assert load_conversations(out)[1] == []  # the output is valid input for prepare
+    assert {p['reason'] for p in load_conversations(out)[1]} <= {'empty reply'}  # valid input for prepare (a random target may reply nothing)
 
 
 def test_regenerate_left_padding_greedy_and_seeded_sampling(random_target, tmp_path):

@@ -43,7 +43,7 @@ def test_every_parameter_has_help_and_a_cli_option(name):
 
 
 @pytest.mark.parametrize('name,bad,msg', [('extract', ['-p', 'gpus', 'four'], "gpus='four': must be an integer"),
-                                          ('train', ['-p', 'lr', '-1'], 'lr=-1.0: must be >= 0'),
+                                          ('train', ['-p', 'lr', '-1'], 'lr=-1.0: must be > 0'),
                                           ('data', ['-p', 'max_length', '-5'], 'max_length=-5: must be >= 2'),
                                           ('evaluate', ['-p', 'drafter', '/nonexistent'], 'is not a drafter checkpoint')])
 def test_papermill_bad_parameter_stops_at_the_check(name, bad, msg, tmp_path):

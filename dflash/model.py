@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['GAMMA', 'DFlashConfig', 'drafter_config', 'DFlashAttention', 'DFlashDecoderLayer', 'DFlashDraftModel', 'pad_anchors',
-           'sample_anchors', 'anchor_generator', 'block_mask', 'flex_block_mask', 'block_labels', 'slot_weights',
-           'DFlashOutput', 'HeadCE', 'DraftCache']
+           'sample_anchors', 'anchor_generator', 'block_mask', 'anchor_chunks', 'flex_block_mask', 'block_labels',
+           'slot_weights', 'DFlashOutput', 'HeadCE', 'DraftCache']
 
 # %% ../nbs/model.ipynb #149b3545
 from dataclasses import dataclass
@@ -103,10 +103,14 @@ class DFlashAttention(nn.Module):
         return _rotate(k, *rope), self._heads(self.v_proj(x)).transpose(1, 2)
 
     def forward(self, x, rope, ctx_k, ctx_v, mask=None):
-        "Block `x` [b, Q, H] attends over [context ; block]: keys `ctx_k`, `ctx_v` [b, kvh, S, d] then its own."
+        """Block `x` [b, Q, H] attends over [context ; block]: keys `ctx_k`, `ctx_v` [b, kvh, S, d] then its own. `mask` may be
+        a list of `(query slice, mask)`: each slice of blocks attends over the context and its own blocks only (`anchor_chunks`)."""
         q = _rotate(self.q_norm(self._heads(self.q_proj(x))).transpose(1, 2), *rope)
         k, v = self.kv(x, rope)
-        o = _attend(q, torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2), mask, self.scaling)
+        if isinstance(mask, list):
+            o = torch.cat([_attend(q[:, :, s], torch.cat([ctx_k, k[:, :, s]], 2), torch.cat([ctx_v, v[:, :, s]], 2), m, self.scaling)
+                           for s, m in mask], 2)
+        else: o = _attend(q, torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2), mask, self.scaling)
         return self.o_proj(o.transpose(1, 2).flatten(2))
 
 class DFlashDecoderLayer(GradientCheckpointingLayer):
@@ -234,6 +238,12 @@ def block_mask(anchors, seq_len, block_size):
     own = (kv >= seq_len) & ((kv - seq_len) // block_size == qb[:, None])  # the query's own block
     return ctx | own
 
+def anchor_chunks(anchors, seq_len, block_size, chunk=64):
+    """The dense mask in pieces of `chunk` anchors: `[(query slice, mask [b, c*B, S + c*B])]`. Blocks never see each other, so
+    each piece needs only the context and its own blocks: scores of c*B x (S + c*B) per piece instead of A*B x (S + A*B)."""
+    A, B = anchors.shape[1], block_size
+    return [(slice(i * B, min(i + chunk, A) * B), block_mask(anchors[:, i:i + chunk], seq_len, B)) for i in range(0, A, chunk)]
+
 def flex_block_mask(anchors, seq_len, block_size):
     "The same mask as a flex_attention `BlockMask` (block-sparse: skipped tiles cost nothing)."
     from torch.nn.attention.flex_attention import create_block_mask
@@ -316,7 +326,7 @@ def _head_ce(drafter, h, labels, w, chunk=4096):
 def _acc(correct, count): return correct / count.clamp_min(1)
 
 def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_valid=None, num_anchors=512,
-             generator=None, gamma=None, attn_impl=None, chunk=4096, return_logits=False):
+             generator=None, gamma=None, attn_impl=None, chunk=4096, return_logits=False, attn_chunk=64):
     "Training forward: every block of every sequence at once; returns a `DFlashOutput`."
     b, S = input_ids.shape
     B, dev = self.block_size, input_ids.device
@@ -329,7 +339,7 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
     h = self.embed(self.noise_ids(input_ids.gather(1, anchors)).flatten(1))   # [b, A*B, H]
     pos = (anchors[..., None] + torch.arange(B, device=dev)).flatten(1)
     if attn_impl is None: attn_impl = 'flex' if input_ids.is_cuda and _has_flex() else 'sdpa'
-    mask = flex_block_mask(anchors, S, B) if attn_impl == 'flex' else block_mask(anchors, S, B)
+    mask = flex_block_mask(anchors, S, B) if attn_impl == 'flex' else anchor_chunks(anchors, S, B, attn_chunk)
     rope, ctx_rope = self.rotary_emb(h, pos), self.rotary_emb(ctx, torch.arange(S, device=dev).expand(b, S))
     for layer in self.layers:
         h = layer(h, rope, *layer.self_attn.kv(ctx, ctx_rope), mask)

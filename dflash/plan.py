@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['STORE_BYTES', 'HYBRID_27B_DEFAULT', 'meta_model', 'target_params', 'activation_bytes_per_token',
-           'target_flops_per_token', 'drafter_flops_per_token', 'PlanConfig', 'plan', 'show_plan', 'plan_cli']
+           'target_flops_per_token', 'drafter_flops_per_token', 'PlanConfig', 'drafter_bytes_per_token',
+           'head_chunk_bytes', 'plan', 'show_plan', 'plan_cli']
 
 # %% ../nbs/plan.ipynb #3f16f36d
 import math
@@ -72,7 +73,7 @@ HYBRID_27B_DEFAULT = DATA / 'configs' / 'qwen3.6-27b-hybrid'
 class PlanConfig(Job):
     "Size a real run from a target's config.json: memory per rank, token budget, disk, FLOPs, a target:drafter split."
     target: str | None = param(None, 'the target: a directory with its config.json, or a hub id; None: data/configs/qwen3.6-27b-hybrid')
-    gpus: int = param(8, 'GPUs on the machine', min=2)
+    gpus: int = param(8, 'GPUs on the machine (1: a target rank and a drafter rank share it)', min=1)
     gpu_mem_gb: float = param(80.0, 'memory of one GPU, GB', min=1)
     dataset_tokens: float = param(1e9, 'tokens in the training data', min=1)
     mean_length: int = param(1500, 'mean tokens per sample (attention cost, anchors per sequence)', min=2)
@@ -86,6 +87,18 @@ class PlanConfig(Job):
         if self.target is None: self.set('target', str(HYBRID_27B_DEFAULT), 'the shipped 64-layer hybrid config')
         return self
 
+def drafter_bytes_per_token(dconfig, mean_length, num_anchors=512, dtype_bytes=2):
+    """Training activations of a drafter rank per token of a batch (bf16 autocast, flex attention: no scores held): the context's
+    features and keys, and for each drafted slot every layer's intermediates, kept for the backward."""
+    d = dconfig; H, B, n, kv = d.hidden_size, d.block_size, d.num_hidden_layers, d.num_key_value_heads * d.head_dim
+    slots = min(num_anchors, mean_length / 2) * B / mean_length                 # drafted slots per token of data
+    ctx = len(d.target_layer_ids) * H + H + n * 2 * kv
+    return dtype_bytes * (ctx + slots * n * (8 * H + 4 * d.intermediate_size))
+
+def head_chunk_bytes(dconfig, chunk=4096):
+    "The loss's logits, one chunk of rows at a time (fp32, and their bf16 copy for the gradient): the vocabulary makes it large."
+    return 6 * chunk * dconfig.vocab_size
+
 def plan(*args, **kw):
     "The plan of a run (see `PlanConfig`): memory, token budget, disk, FLOPs and a target:drafter split, as a dict."
     job = args[0] if args and isinstance(args[0], Job) else PlanConfig(*args, **kw)
@@ -96,18 +109,22 @@ def plan(*args, **kw):
     with torch.device('meta'): drafter = _numel(DFlashDraftModel(dcfg))
     gb = 1e9
     weights, act = 2 * total, activation_bytes_per_token(config, len(ids))
-    free = (1 - job.headroom) * job.gpu_mem_gb * gb - weights
-    budget = int(free // act) if free > 0 else 0
-    drafter_mem = 16 * drafter + 2 * io
+    drafter_fixed, dact = 16 * drafter + 2 * io + head_chunk_bytes(dcfg), drafter_bytes_per_token(dcfg, job.mean_length, job.num_anchors)
+    room = (1 - job.headroom) * job.gpu_mem_gb * gb
+    free = room - weights - (drafter_fixed if job.gpus == 1 else 0)               # one GPU: both ranks share it
+    budget = int(free // (act + (dact if job.gpus == 1 else 0))) if free > 0 else 0
+    dbudget = budget if job.gpus == 1 else max(0, int((room - drafter_fixed) // dact))   # a drafter rank holds the same batches
+    drafter_mem = drafter_fixed + dact * min(budget, dbudget)
     row = len(ids) * tc.hidden_size
     disk = {k: row * b + 5 + (4 if k == 'fp8' else 0) for k, b in STORE_BYTES.items()}   # + int32 id, uint8 mask (+ fp32 scale)
     ft, fd = target_flops_per_token(config, ids, job.mean_length), drafter_flops_per_token(dcfg, job.mean_length, job.num_anchors)
-    t = min(job.gpus - 1, max(1, round(job.gpus * ft / (ft + fd))))
+    t = 1 if job.gpus == 1 else min(job.gpus - 1, max(1, round(job.gpus * ft / (ft + fd))))
     return dict(target=str(job.target), params=total, layer_ids=ids, weights_gb=weights / gb, skippable_gb=2 * (sum(per_layer[max(ids) + 1:])) / gb,
-                fits=free > 0, activation_mb_per_1k_tokens=act * 1024 / 2**20, token_budget=budget,
+                fits=free > 0, activation_mb_per_1k_tokens=act * 1024 / 2**20, token_budget=budget, drafter_token_budget=dbudget,
                 drafter_params=drafter, drafter_rank_gb=drafter_mem / gb, disk_bytes_per_token=disk,
                 disk_tb={k: v * job.dataset_tokens / 1e12 for k, v in disk.items()},
-                target_gflop_per_token=ft / 1e9, drafter_gflop_per_token=fd / 1e9, targets=t, drafters=job.gpus - t, job=job.to_dict())
+                target_gflop_per_token=ft / 1e9, drafter_gflop_per_token=fd / 1e9, targets=t, drafters=max(1, job.gpus - t),
+                head_chunk_gb=head_chunk_bytes(dcfg) / gb, drafter_mb_per_1k_tokens=dact * 1024 / 2**20, job=job.to_dict())
 
 def show_plan(p):
     "The plan as an operator reads it."
@@ -117,11 +134,14 @@ def show_plan(p):
     return '\n'.join([
         f"{p['target']}: {p['params'] / 1e9:.2f}B parameters; taps {p['layer_ids']}",
         f"target rank: weights {p['weights_gb']:.1f} GB in bf16 ({p['skippable_gb']:.1f} GB of it past the last tap); {fit}",
-        f"drafter rank: {p['drafter_params'] / 1e9:.2f}B parameters, about {p['drafter_rank_gb']:.1f} GB with AdamW and the target's embedding and head",
+        f"drafter rank: {p['drafter_params'] / 1e9:.2f}B parameters; AdamW, the target's embedding and head, the loss's logits ({p['head_chunk_gb']:.1f} GB "
+        f"a chunk) and {p['drafter_mb_per_1k_tokens']:.0f} MiB of activations per 1K tokens: {p['drafter_rank_gb']:.1f} GB at a budget of "
+        f"{min(p['token_budget'], p['drafter_token_budget']):,} tokens (its own largest: {p['drafter_token_budget']:,})",
         'disk per token: ' + ', '.join(f"{k} {v / 1e3:.1f} KB" for k, v in p['disk_bytes_per_token'].items())
         + f"; for {j['dataset_tokens']:.3g} tokens: " + ', '.join(f"{k} {v:.2f} TB" for k, v in p['disk_tb'].items()),
         f"FLOPs per token of data: target {p['target_gflop_per_token']:.1f} G (to layer {max(p['layer_ids'])}), drafter {p['drafter_gflop_per_token']:.1f} G (training)",
-        f"a starting split of {j['gpus']} GPUs: targets={p['targets']}, drafters={p['drafters']} (equal work per second on each side; refine with the dashboard)"])
+        (f"one GPU: one target rank and one drafter rank share it (targets=1, drafters=1), the budget above counting both" if j['gpus'] == 1 else
+         f"a starting split of {j['gpus']} GPUs: targets={p['targets']}, drafters={p['drafters']} (equal work per second on each side; refine with the dashboard)")])
 
 # %% ../nbs/plan.ipynb #eac62dc0
 def plan_cli(argv=None):

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['HEADER', 'Coord', 'peer_lost', 'store_from_env', 'thread_groups', 'wire_device', 'send_batch', 'recv_batch', 'link',
-           'HSSender', 'OnlineSource', 'RankLogs', 'culprit', 'launch', 'hello']
+           'HSSender', 'OnlineSource', 'RankLogs', 'culprit', 'launch', 'hog', 'hello']
 
 # %% ../nbs/dist.ipynb #1dc1433c
 import json, logging, os, signal, sys, threading, time, uuid
@@ -216,10 +216,22 @@ def _raised(f):
     m = f.message.get('message') if isinstance(f.message, dict) else None
     return str(m).strip().splitlines()[-1] if m and str(m).strip() else None
 
-def _why(f):
-    "One line on how a rank failed: what it raised (even if a signal ended it afterwards), else the signal or exit code."
+def _peak_rss_gb():
+    "The largest peak resident size of this process's finished children (the ranks), in GB."
+    import resource
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+
+def _mem_gb():
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30
+
+def _why(f, hint=''):
+    """One line on how a rank failed: what it raised (even if a signal ended it afterwards), else the signal or exit code.
+    SIGKILL is what the kernel's OOM killer sends: then the ranks' peak resident size and the settings that set it (`hint`)."""
     if (x := _raised(f)) is not None: return x
-    if f.exitcode is not None and f.exitcode < 0: return f'killed by signal {f.signal_name()}'
+    if f.exitcode is not None and f.exitcode < 0:
+        if f.signal_name() != 'SIGKILL': return f'killed by signal {f.signal_name()}'
+        return (f'killed by SIGKILL, most likely out of memory (the kernel\'s OOM killer): the largest rank reached {_peak_rss_gb():.1f} GB '
+                f'resident of this machine\'s {_mem_gb():.1f} GB' + (f'; lower {hint}' if hint else ''))
     return f'exit code {f.exitcode}'
 
 def culprit(failures):
@@ -241,9 +253,10 @@ def _agent_quiet():
         for s, h in handlers.items(): signal.signal(s, h)
 
 def launch(entry, args, nprocs, log_dir, roles=None, nnodes=1, rdzv_endpoint=None, run_id=None, max_restarts=0,
-           shutdown_timeout=30, monitor_interval=0.2):
+           shutdown_timeout=30, monitor_interval=0.2, memory_hint=''):
     """Run `entry(*args)` in `nprocs` processes per node under torch's elastic agent; returns {global rank: return value}.
-    `entry` is an importable function, or a program (e.g. `sys.executable`, with `args` its command line)."""
+    `entry` is an importable function, or a program (e.g. `sys.executable`, with `args` its command line); `memory_hint` names
+    the settings that set a rank's memory, for the report of one killed by the OOM killer."""
     from torch.distributed.launcher.api import elastic_launch, LaunchConfig
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     cfg = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nprocs, rdzv_backend='c10d',
@@ -259,7 +272,12 @@ def launch(entry, args, nprocs, log_dir, roles=None, nnodes=1, rdzv_endpoint=Non
         if tb:
             with open(err, 'a') as fh: fh.write(tb)   # the traceback beside the rank's own output
         role = f' ({roles[r]})' if roles and r < len(roles) else ''
-        raise RuntimeError(f'rank {r}{role} failed: {_why(f)}; its output: {err}') from None
+        raise RuntimeError(f'rank {r}{role} failed: {_why(f, memory_hint)}; its output: {err}') from None
+
+def hog(mb):
+    "A rank that fills `mb` MB, then is killed by SIGKILL, as the kernel's OOM killer ends a rank."
+    x = torch.ones(mb * 2**18)                      # 4 bytes each
+    os.kill(os.getpid(), signal.SIGKILL)
 
 def hello(fail_rank=None):
     "What a rank sees of its environment (a first check of a new machine or cluster); rank `fail_rank` raises."

@@ -430,7 +430,8 @@ def train(*args, **kw):
         rank_cmd = ('-c', f"from dflash.train import _rank_main; _rank_main({str(Path(cfg.out) / 'config.json')!r})")
         try: launch(sys.executable, rank_cmd, cfg.world // cfg.nnodes, Path(cfg.out) / 'logs', cfg.roles(), cfg.nnodes, cfg.rdzv_endpoint,
                     run_id='dflash-' + hashlib.md5(cfg.out.encode()).hexdigest()[:12] if cfg.nnodes > 1 else None,
-                    max_restarts=cfg.max_restarts, shutdown_timeout=int(cfg.dead_after_s + 30))
+                    max_restarts=cfg.max_restarts, shutdown_timeout=int(cfg.dead_after_s + 30),
+                    memory_hint=f'token_budget={cfg.token_budget} or num_anchors={cfg.num_anchors}')
         finally: done.set(); th.join()
         res = json.loads((Path(cfg.out) / 'result.json').read_text()) if (Path(cfg.out) / 'result.json').exists() else None
     if res is not None: res['seconds'] = time.time() - t0

@@ -294,6 +294,11 @@ class ExtractedDataset:
         return dict(hidden_states=hs, input_ids=f.get_slice('input_ids')[a:b].long(),
                     loss_mask=f.get_slice('loss_mask')[a:b].bool(), sample_id=int(self.sample_ids[i]))
 
+    def token_ids(self):
+        "The distinct token ids of every shard (their `input_ids` alone are read)."
+        seen = [np.unique(self._file(j).get_tensor('input_ids').numpy()) for j in range(len(self.manifest['shards']))]
+        return np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
+
     def get(self, sample_id):
         "The sample with row number `sample_id` in the tokenized dataset."
         if int(sample_id) not in self._pos: raise KeyError(f'sample {sample_id} is not in {self.out}')

@@ -363,9 +363,7 @@ def _publish(cfg, trainer, probe, device):
 def data_token_ids(cfg):
     "The token ids of the run's training data: the tokenized dataset (online) or the extraction's `input_ids` (offline)."
     if cfg.online: return np.unique(np.asarray(TokenizedDataset.load(cfg.data).input_ids))
-    ds = ExtractedDataset(cfg.extracted)
-    seen = [np.unique(ds._file(j).get_tensor('input_ids').numpy()) for j in range(len(ds.manifest['shards']))]
-    return np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
+    return ExtractedDataset(cfg.extracted).token_ids()
 
 def resolve_mask_token(cfg):
     "Set `cfg.mask_token_id` (saying where it came from); refuse an id that occurs in the training data."
@@ -396,13 +394,13 @@ def prepare_job(cfg):
         tok = load_tokenizer(cfg.target)
         for f in cfg.eval_data.split(','): f.strip() and load_prompts(tok, f.strip(), cfg.eval_prompts)
     if cfg.resume and (ck := latest_checkpoint(out)) is not None:     # refuse changed settings before anything is written
-        old = json.loads((ck / 'COMPLETE').read_text()).get('config', {})
+        st = json.loads((ck / 'COMPLETE').read_text()); old = st.get('config', {})
         if cfg.mask_token_id is None and old.get('mask_token_id') is not None: cfg.set('mask_token_id', old['mask_token_id'], "the checkpoint's")
-        _resume_changes(ck, json.loads((ck / 'COMPLETE').read_text()), cfg, None)
+        _resume_changes(ck, st, cfg, None)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.online: cfg.data = str(Path(prepared(cfg.data, cfg.target, out, cfg.max_length)).resolve())
     else: cfg.extracted = str(Path(cfg.extracted).resolve())
-    if not (n := len(TokenizedDataset.load(cfg.data) if cfg.online else ExtractedDataset(cfg.extracted))):
+    if not len(TokenizedDataset.load(cfg.data) if cfg.online else ExtractedDataset(cfg.extracted)):
         raise ValueError(f'{"data: " + cfg.data if cfg.online else "extracted: " + cfg.extracted} holds no samples: nothing to train on')
     if earlier and not cfg.resume: print(f'the earlier run in {out} is now in {set_aside(out, RUN_FILES)}')
     resolve_mask_token(cfg)

@@ -24,7 +24,21 @@ def train(target, extracted, out, n, a):
     return out / 'drafter'
 
 
+def plot(res, path):
+    "tau against the number of conversations, beside the n-gram baseline, to `path`."
+    import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt
+    rows, tn = {int(k): v for k, v in res['points'].items()}, res['ngram']
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ns = sorted(rows)
+    ax.plot(ns, [rows[n]['tau'] for n in ns], 'o-', label='DFlash drafter')
+    ax.axhline(tn, color='C3', ls='--', label=f'n-gram prompt lookup ({tn:.2f})')
+    ax.set(xscale='log', xlabel='training conversations (target-regenerated ShareGPT prompts)', ylabel='tau',
+           title=f"SmolLM2-135M-Instruct: tau against data ({res['settings']['epochs']} epochs each)")
+    ax.minorticks_off(); ax.set_xticks(ns, [str(n) for n in ns]); ax.legend(); fig.tight_layout(); fig.savefig(path, dpi=100)
+
+
 def main(a):
+    if a.replot: return plot(json.loads((Path(a.out) / 'curve.json').read_text()), a.plot)
     import torch
     from dflash.evaluate import TauProbe, NgramDrafter, load_drafter
     out, demo = Path(a.out), Path(a.demo)
@@ -43,14 +57,7 @@ def main(a):
     res = dict(ngram=tn, points=rows, eval=dict(files=files, prompts=a.eval_prompts, max_new_tokens=a.eval_max_new_tokens),
                settings=dict(epochs=a.epochs, anchors=a.anchors, token_budget=a.token_budget, lr=a.lr))
     (out / 'curve.json').write_text(json.dumps(res, indent=1))
-    import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ns = sorted(rows)
-    ax.plot(ns, [rows[n]['tau'] for n in ns], 'o-', label='DFlash drafter')
-    ax.axhline(tn, color='C3', ls='--', label=f'n-gram prompt lookup ({tn:.2f})')
-    ax.set(xscale='log', xlabel='training conversations (target-regenerated ShareGPT prompts)', ylabel='tau',
-           title=f'SmolLM2-135M-Instruct: tau against data ({a.epochs} epochs each)')
-    ax.set_xticks(ns, [str(n) for n in ns]); ax.legend(); fig.tight_layout(); fig.savefig(a.plot, dpi=100)
+    plot(res, a.plot)
     print(json.dumps(res, indent=1))
 
 
@@ -62,4 +69,5 @@ if __name__ == '__main__':
     ap.add_argument('--token-budget', type=int, default=2048); ap.add_argument('--lr', type=float, default=2e-3)
     ap.add_argument('--eval-prompts', type=int, default=8); ap.add_argument('--eval-max-new-tokens', type=int, default=128)
     ap.add_argument('--plot', default=str(ROOT / 'assets' / 'real-data-curve.png'))
+    ap.add_argument('--replot', action='store_true', help='only redraw the plot from out/curve.json')
     main(ap.parse_args())

@@ -230,8 +230,10 @@ def _why(f, hint=''):
     if (x := _raised(f)) is not None: return x
     if f.exitcode is not None and f.exitcode < 0:
         if f.signal_name() != 'SIGKILL': return f'killed by signal {f.signal_name()}'
-        return (f'killed by SIGKILL, most likely out of memory (the kernel\'s OOM killer): the largest rank reached {_peak_rss_gb():.1f} GB '
-                f'resident of this machine\'s {_mem_gb():.1f} GB' + (f'; lower {hint}' if hint else ''))
+        peak, mem = _peak_rss_gb(), _mem_gb()
+        return (f'killed by signal SIGKILL (' + ('most likely out of memory: ' if peak > 0.5 * mem else '') + 'the kernel\'s OOM killer '
+                f'sends SIGKILL; the largest rank reached {peak:.1f} GB resident of this machine\'s {mem:.1f} GB'
+                + (f'; if it ran out of memory, lower {hint}' if hint else '') + ')')
     return f'exit code {f.exitcode}'
 
 def culprit(failures):

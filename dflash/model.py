@@ -20,6 +20,16 @@ from transformers.utils import ModelOutput
 from .taps import default_layer_ids
 
 # %% ../nbs/model.ipynb #6bd87dcf
+def _windowed(c):
+    """Sliding layers: one window W from `dflash_config.swa_window_size`, else `sliding_window` (vLLM's order), written
+    under every key a server reads. `causal` only when every layer is sliding: mixed layouts keep the per-layer rule
+    (sliding layers causal inside the block, full ones bidirectional), which is also each server's default."""
+    w = c.dflash_config.get('swa_window_size') or c.sliding_window
+    if w is None: raise ValueError(f'layer_types {c.layer_types} has sliding_attention layers but no sliding_window')
+    c.use_sliding_window, c.sliding_window = True, int(w)
+    c.dflash_config.update(use_swa=True, swa_window_size=int(w))
+    if all(t == 'sliding_attention' for t in c.layer_types): c.dflash_config['causal'] = True
+
 @strict
 class DFlashConfig(Qwen3Config):
     "A `Qwen3Config` with the DFlash fields `block_size`, `num_target_layers`, `dflash_config` and the target it is for."
@@ -35,12 +45,17 @@ class DFlashConfig(Qwen3Config):
         self.block_size = int(dc.pop('block_size', self.block_size))
         self.dflash_config = {'mask_token_id': None, 'target_layer_ids': None, **dc}
         if self.architectures is None: self.architectures = ['DFlashDraftModel']
+        if 'sliding_attention' in (self.layer_types or []): _windowed(self)
         super().__post_init__(**kwargs)
 
     @property
     def target_layer_ids(self): return list(self.dflash_config['target_layer_ids'] or [])
     @property
     def mask_token_id(self): return self.dflash_config['mask_token_id']
+    @property
+    def windows(self):
+        "Each layer's window: `sliding_window` for a sliding_attention layer, None (all the context) for a full one."
+        return [self.sliding_window if t == 'sliding_attention' else None for t in self.layer_types]
 
     def to_dict(self):
         "As saved: with a top-level `rope_theta` beside `rope_parameters` (some loaders read only that, else assume 10000)."
@@ -56,17 +71,23 @@ def _rope(tc):
     rp.setdefault('rope_theta', getattr(tc, 'rope_theta', 10000.0)); rp.setdefault('rope_type', 'default')
     return {k: v for k, v in rp.items() if k not in _TARGET_ONLY_ROPE}
 
-def drafter_config(target_config, num_hidden_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None, **kw):
-    "A `DFlashConfig` for a drafter of `num_hidden_layers` layers on `target_config` (nested configs: its text config)."
+def drafter_config(target_config, num_hidden_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
+                   layer_types=None, sliding_window=None, **kw):
+    """A `DFlashConfig` for a drafter of `num_hidden_layers` layers on `target_config` (nested configs: its text config);
+    `layer_types`: one 'full_attention' / 'sliding_attention' per layer (None: all full), `sliding_window` W in tokens."""
     tc = target_config.get_text_config()
     L, heads = tc.num_hidden_layers, tc.num_attention_heads
     ids = list(target_layer_ids) if target_layer_ids is not None else default_layer_ids(L, num_hidden_layers)
     if not all(0 <= i < L for i in ids): raise ValueError(f"target_layer_ids {ids} out of range for a target of {L} layers")
+    layer_types = list(layer_types or ['full_attention'] * num_hidden_layers)
+    if len(layer_types) != num_hidden_layers or not set(layer_types) <= {'full_attention', 'sliding_attention'}:
+        raise ValueError(f"layer_types {layer_types}: need {num_hidden_layers} of 'full_attention' / 'sliding_attention'")
+    if sliding_window is not None and sliding_window < 1: raise ValueError(f'sliding_window={sliding_window}: must be >= 1')
     args = dict(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_hidden_layers=num_hidden_layers,
                 num_attention_heads=heads, num_key_value_heads=getattr(tc, 'num_key_value_heads', None) or heads,
                 head_dim=getattr(tc, 'head_dim', None) or tc.hidden_size // heads, vocab_size=tc.vocab_size,
                 rms_norm_eps=getattr(tc, 'rms_norm_eps', 1e-6), rope_parameters=_rope(tc),
-                max_position_embeddings=tc.max_position_embeddings, layer_types=['full_attention'] * num_hidden_layers,
+                max_position_embeddings=tc.max_position_embeddings, layer_types=layer_types, sliding_window=sliding_window,
                 tie_word_embeddings=False, block_size=block_size, num_target_layers=L,
                 dflash_config=dict(mask_token_id=mask_token_id, target_layer_ids=ids))
     return DFlashConfig(**{**args, **kw})
@@ -154,8 +175,8 @@ class DFlashDraftModel(PreTrainedModel):
         super().__init__(config)
         if config.architectures and 'DFlashDraftModel' not in config.architectures:
             raise ValueError(f"config.architectures is {config.architectures}; this class loads DFlashDraftModel checkpoints")
-        if any(t != 'full_attention' for t in config.layer_types):
-            raise NotImplementedError(f"drafter layer_types {config.layer_types}: only full_attention layers are supported")
+        if not set(config.layer_types) <= {'full_attention', 'sliding_attention'}:
+            raise NotImplementedError(f"drafter layer_types {config.layer_types}: only full_attention and sliding_attention layers")
         if not config.target_layer_ids: raise ValueError("config.dflash_config has no target_layer_ids")
         H = config.hidden_size
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
@@ -227,31 +248,40 @@ def anchor_generator(seed, d, p):
     return torch.Generator().manual_seed((seed * 1_000_003 + d) * 1_000_003 + p)
 
 # %% ../nbs/model.ipynb #9f4961a3
-def block_mask(anchors, seq_len, block_size):
-    "Bool [b, A*B, S + A*B]: True where slot query q (of the block at `anchors[:, q // B]`) may attend key k."
+def block_mask(anchors, seq_len, block_size, window=None):
+    """Bool [b, A*B, S + A*B]: True where slot query q (of the block at `anchors[:, q // B]`) may attend key k. A sliding
+    layer (`window` W): slot o of the block at a sees context a+o-(W-1) <= p < a, and its block's slots <= o."""
     b, A = anchors.shape
     dev = anchors.device
-    qb = torch.arange(A * block_size, device=dev) // block_size          # block of each query
+    q = torch.arange(A * block_size, device=dev)
+    qb, o = q // block_size, q % block_size                              # block and slot of each query
     kv = torch.arange(seq_len + A * block_size, device=dev)
     anc = anchors[:, qb]                                                 # [b, Q]
     ctx = (kv < seq_len) & (kv[None, None] < anc[..., None])             # context strictly before the anchor
     own = (kv >= seq_len) & ((kv - seq_len) // block_size == qb[:, None])  # the query's own block
+    if window is not None:
+        ctx = ctx & (kv[None, None] >= (anc + o - (window - 1))[..., None])
+        own = own & ((kv - seq_len) % block_size <= o[:, None])
     return ctx | own
 
-def anchor_chunks(anchors, seq_len, block_size, chunk=64):
+def anchor_chunks(anchors, seq_len, block_size, chunk=64, window=None):
     """The dense mask in pieces of `chunk` anchors: `[(query slice, mask [b, c*B, S + c*B])]`. Blocks never see each other, so
     each piece needs only the context and its own blocks: scores of c*B x (S + c*B) per piece instead of A*B x (S + A*B)."""
     A, B = anchors.shape[1], block_size
-    return [(slice(i * B, min(i + chunk, A) * B), block_mask(anchors[:, i:i + chunk], seq_len, B)) for i in range(0, A, chunk)]
+    return [(slice(i * B, min(i + chunk, A) * B), block_mask(anchors[:, i:i + chunk], seq_len, B, window)) for i in range(0, A, chunk)]
 
-def flex_block_mask(anchors, seq_len, block_size):
+def flex_block_mask(anchors, seq_len, block_size, window=None):
     "The same mask as a flex_attention `BlockMask` (block-sparse: skipped tiles cost nothing)."
     from torch.nn.attention.flex_attention import create_block_mask
     b, A = anchors.shape
     def mask_mod(bi, h, q, k):
-        j = q // block_size
-        return torch.where(k < seq_len, k < anchors[bi, j], (k - seq_len) // block_size == j)
+        j, o = q // block_size, q % block_size
+        a = anchors[bi, j]
+        ctx, own = k < a, (k - seq_len) // block_size == j
+        if window is not None: ctx, own = ctx & (k >= a + o - (window - 1)), own & ((k - seq_len) % block_size <= o)
+        return torch.where(k < seq_len, ctx, own)
     return create_block_mask(mask_mod, b, None, A * block_size, seq_len + A * block_size, device=anchors.device)
+
 
 # %% ../nbs/model.ipynb #c682ffe2
 def block_labels(input_ids, loss_mask, anchors, valid, block_size):
@@ -339,10 +369,11 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
     h = self.embed(self.noise_ids(input_ids.gather(1, anchors)).flatten(1))   # [b, A*B, H]
     pos = (anchors[..., None] + torch.arange(B, device=dev)).flatten(1)
     if attn_impl is None: attn_impl = 'flex' if input_ids.is_cuda and _has_flex() else 'sdpa'
-    mask = flex_block_mask(anchors, S, B) if attn_impl == 'flex' else anchor_chunks(anchors, S, B, attn_chunk)
+    make = lambda w: flex_block_mask(anchors, S, B, w) if attn_impl == 'flex' else anchor_chunks(anchors, S, B, attn_chunk, w)
+    masks = {w: make(w) for w in set(self.config.windows)}               # one mask per window (None: full layers)
     rope, ctx_rope = self.rotary_emb(h, pos), self.rotary_emb(ctx, torch.arange(S, device=dev).expand(b, S))
-    for layer in self.layers:
-        h = layer(h, rope, *layer.self_attn.kv(ctx, ctx_rope), mask)
+    for layer, w in zip(self.layers, self.config.windows):
+        h = layer(h, rope, *layer.self_attn.kv(ctx, ctx_rope), masks[w])
     h = self.norm(h).view(b, A, B, -1)[:, :, 1:]                         # slots 1..B-1
     labels = block_labels(input_ids, loss_mask, anchors, anchor_valid, B)
     keep = labels != -100
@@ -361,24 +392,31 @@ DFlashDraftModel.forward = _forward
 
 # %% ../nbs/model.ipynb #9a6be64c
 class DraftCache:
-    "Per-layer context keys and values for positions 0..len-1 (already `k_norm`ed and rotated)."
-    def __init__(self): self.k, self.v = [], []
-    def __len__(self): return self.k[0].shape[2] if self.k else 0
+    """Per-layer context keys and values (already `k_norm`ed and rotated) of positions 0..len-1. A sliding layer of window W
+    keeps the last W-1 positions, all a block reads, plus `slack` to rewind: its memory is bounded however long the context."""
+    def __init__(self, windows=None, slack=16): self.windows, self.slack, self.k, self.v, self.first = windows, slack, [], [], []
+    def __len__(self): return self.first[0] + self.k[0].shape[2] if self.k else 0
+    def _keep(self, i): return None if not self.windows or self.windows[i] is None else self.windows[i] - 1 + self.slack
 
     def append(self, i, k, v):
-        if i == len(self.k): self.k.append(k); self.v.append(v)
+        if i == len(self.k): self.k.append(k); self.v.append(v); self.first.append(0)
         else: self.k[i], self.v[i] = torch.cat([self.k[i], k], 2), torch.cat([self.v[i], v], 2)
+        if (m := self._keep(i)) is not None and (drop := self.k[i].shape[2] - m) > 0:
+            self.k[i], self.v[i], self.first[i] = self.k[i][:, :, drop:], self.v[i][:, :, drop:], self.first[i] + drop
 
     def crop(self, n):
-        "Keep positions 0..n-1 (after a rejected draft, or to rewind)."
-        self.k, self.v = [k[:, :, :n] for k in self.k], [v[:, :, :n] for v in self.v]
+        "Keep positions 0..n-1 (after a rejected draft, or to rewind); a sliding layer cannot rewind past what it dropped."
+        for i, f in enumerate(self.first):
+            if f > max(0, n - (self._keep(i) or 0) + self.slack):
+                raise ValueError(f'layer {i} (window {self.windows[i]}) keeps positions from {f} on: cannot rewind to {n}')
+        self.k, self.v = [k[:, :, :n - f] for k, f in zip(self.k, self.first)], [v[:, :, :n - f] for v, f in zip(self.v, self.first)]
         return self
 
 @torch.no_grad()
 def _draft(self, context_hidden, last_token, start_pos=None, cache=None):
     """Append `context_hidden` [b, new, n*H] (taps of the positions after those cached) to `cache`, then draft the
     block at `start_pos` whose slot 0 is `last_token` [b]. Returns logits [b, B-1, V] for tokens start_pos+1..start_pos+B-1."""
-    cache = DraftCache() if cache is None else cache
+    cache = self.new_cache() if cache is None else cache
     n0, new = len(cache), 0 if context_hidden is None else context_hidden.shape[1]
     start_pos = n0 + new if start_pos is None else start_pos
     if n0 + new != start_pos:
@@ -392,11 +430,15 @@ def _draft(self, context_hidden, last_token, start_pos=None, cache=None):
     h = self.embed(self.noise_ids(last_token))
     pos = (start_pos + torch.arange(self.block_size, device=h.device)).expand(h.shape[0], -1)
     rope = self.rotary_emb(h, pos)
-    for i, layer in enumerate(self.layers): h = layer(h, rope, cache.k[i], cache.v[i])
+    for i, (layer, w) in enumerate(zip(self.layers, self.config.windows)):
+        n = cache.k[i].shape[2]                  # a sliding layer's cache starts at start_pos - n: the block's anchor is n
+        mask = None if w is None else block_mask(torch.tensor([[n]], device=h.device), n, self.block_size, w)
+        h = layer(h, rope, cache.k[i], cache.v[i], mask)
     return self.logits(self.norm(h)[:, 1:])
 
 def _new_cache(self):
-    "An empty `DraftCache` for one decoding run."
-    return DraftCache()
+    "An empty `DraftCache` for one decoding run (bounded for sliding layers, with a block to rewind)."
+    return DraftCache(self.config.windows, self.block_size)
 
 DFlashDraftModel.draft, DFlashDraftModel.new_cache = _draft, _new_cache
+

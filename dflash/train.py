@@ -17,16 +17,16 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from .core import Job, run_cli, write_json_atomic, append_jsonl, claim_out, set_aside
 from .taps import (capture, check_finite, pad_batch, text_config, default_layer_ids, check_layer_ids, peak_mem_bytes, load_target, load_target_io,
-                         load_target_config, target_name, target_revision, config_sha256, load_tokenizer)
+                         load_target_config, target_name, load_tokenizer)
 from .data import TokenizedDataset, prepared
 from .batching import Plan, sources, served
 from .shards import ExtractedDataset, OfflineSource, check_extraction
-from .model import DFlashDraftModel, drafter_config, anchor_generator
+from .model import DFlashDraftModel, anchor_generator
 from .publish import save_drafter, model_card, mask_token_for
 from .evaluate import TauProbe, NgramDrafter, tau_table, load_prompts
 from .dist import Coord, HSSender, OnlineSource, launch, peer_lost, store_from_env
 from .metrics import Meter, follow, progress_line
-from .recipe import TrainConfig, rank_device, resolve_mask_token
+from .recipe import TrainConfig, rank_device, resolve_mask_token, resolve_layer_types, resolve_init_from, drafter_for, load_init
 from .balance import auto_split
 
 # %% ../nbs/train.ipynb #cf231419
@@ -108,7 +108,8 @@ def save_checkpoint(out, step, model, state, keep=2):
 # %% ../nbs/train.ipynb #ce169dce
 SHAPE_KEYS = ('target', 'num_layers', 'layer_ids')      # the drafter's tensors change: no checkpoint of the old shape loads
 RESUME_KEYS = ('target', 'num_layers', 'block_size', 'layer_ids', 'mask_token_id', 'num_anchors', 'token_budget', 'max_batch_size',
-               'max_samples', 'epochs', 'max_steps', 'grad_accum', 'lr', 'min_lr_ratio', 'warmup', 'weight_decay', 'clip', 'seed')
+               'max_samples', 'epochs', 'max_steps', 'grad_accum', 'lr', 'min_lr_ratio', 'warmup', 'weight_decay', 'clip', 'seed',
+               'layer_types', 'sliding_window', 'init_from')
 
 def _resume_changes(ck, st, cfg, data_sha256):
     "What differs between the run that wrote checkpoint `ck` and `cfg`: refused unless `cfg.resume_changes` names it."
@@ -133,16 +134,14 @@ class Trainer:
         self.main, self.out = d == 0, Path(cfg.out)
         if self.main: self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
-        config = drafter_config(load_target_config(cfg.target), cfg.num_layers, cfg.block_size, mask_token_id, cfg.layer_ids,
-                                target_model=target_name(cfg.target), target_revision=target_revision(cfg.target),
-                                target_config_sha256=config_sha256(load_target_config(cfg.target)))
-        self.model = DFlashDraftModel(config).to(device)
+        self.model = DFlashDraftModel(drafter_for(cfg, mask_token_id)).to(device)
         emb, head = io or load_target_io(cfg.target, torch.bfloat16 if device.type == 'cuda' else torch.float32, device)
         self.model.attach_target(embed_tokens=emb, lm_head=head)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, plan.total_steps, cfg.warmup, cfg.min_lr_ratio))
         self.step, self.tokens, self.skipped, self.resumed_from = 0, 0, 0, None
         if cfg.resume and (ck := latest_checkpoint(cfg.out)) is not None: self._load(ck)
+        elif cfg.init_from: load_init(self.model, cfg.init_from)
         if cfg.compile: self.model.compile(dynamic=True)     # in place: parameter names, hence checkpoints, unchanged
         self.ddp = None
         if group is not None and cfg.drafters > 1:
@@ -354,7 +353,8 @@ def _publish(cfg, trainer, probe, device):
                     f"tokens each, at the end of training; the same measurement: `dflash_evaluate --target {target_name(cfg.target)} --drafter "
                     f"PATH --eval-data {cfg.eval_data} --num-prompts {cfg.eval_prompts} --max-new-tokens {cfg.eval_max_new_tokens}`.\n\n```\n{table}\n```")
     data = f'the extraction `{cfg.extracted}` (offline)' if not cfg.online else f'`{cfg.data}` (online, {cfg.targets} target ranks)'
-    model_card(path, f'{trainer.step} optimizer steps, {trainer.tokens} tokens, on {data}, with dflash: {cfg.drafters} drafter ranks, '
+    start = f'Fine-tuned from the drafter `{cfg.init_from}`: ' if cfg.init_from else 'From random weights: '
+    model_card(path, start + f'{trainer.step} optimizer steps, {trainer.tokens} tokens, on {data}, with dflash: {cfg.drafters} drafter ranks, '
                      f'lr {cfg.lr}, {cfg.num_anchors} anchors per sequence, token budget {cfg.token_budget}, seed {cfg.seed}.', taus, measured)
     return res
 
@@ -371,10 +371,11 @@ def prepare_job(cfg):
         raise ValueError(f'out: {out} holds an earlier run ({", ".join(earlier)}): resume=True continues it, overwrite=True starts over '
                          f'(the earlier run is moved to {out}/previous-*), or choose another out')
     cfg.target = target_name(cfg.target)
-    L = text_config(load_target_config(cfg.target)).num_hidden_layers
+    tcfg = load_target_config(cfg.target); L = text_config(tcfg).num_hidden_layers
+    if cfg.init_from: resolve_init_from(cfg, tcfg)                   # before any default: unset settings are the checkpoint's
     if cfg.layer_ids is None and not cfg.online: cfg.set('layer_ids', ExtractedDataset(cfg.extracted).layer_ids, "the extraction's")
     if cfg.layer_ids is None: cfg.set('layer_ids', default_layer_ids(L, cfg.num_layers), f'the DFlash rule for {cfg.num_layers} drafter layers')
-    check_layer_ids(cfg.layer_ids, L)
+    check_layer_ids(cfg.layer_ids, L); resolve_layer_types(cfg, tcfg)
     if cfg.final_eval or cfg.eval_every:                             # every eval file read before anything trains
         tok = load_tokenizer(cfg.target)
         for f in cfg.eval_data.split(','): f.strip() and load_prompts(tok, f.strip(), cfg.eval_prompts)

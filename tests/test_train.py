@@ -161,3 +161,73 @@ def test_collectives_run_on_the_group_device(monkeypatch):
     monkeypatch.setattr(torch.distributed, 'all_reduce', lambda t, group=None: seen.append(t.device))
     drafter = SimpleNamespace(group=object(), cfg=SimpleNamespace(drafters=2), device=torch.device('meta'))   # a device that is not the CPU
     assert Trainer.all_sum(drafter, torch.ones(3)).device.type == 'meta' and seen == [torch.device('meta')]
+
+
+def published_layout(path, target_config, layer_types, window, layer_ids, mask_token_id, block_size=8, seed=0):
+    """A drafter for `target_config` written as the published Qwen3.6-27B drafter is: a hand-written config.json (auto_map,
+    `sliding_window` on top and nothing of ours) and bf16 safetensors of the named tensors, random."""
+    H, heads, kvh, d, I, n = target_config.hidden_size, 4, 2, target_config.hidden_size // 4, 2 * target_config.hidden_size, len(layer_types)
+    cfg = {"architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "model_type": "qwen3",
+           "hidden_size": H, "intermediate_size": I, "num_hidden_layers": n, "num_attention_heads": heads, "num_key_value_heads": kvh,
+           "head_dim": d, "vocab_size": target_config.vocab_size, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+           "hidden_act": "silu", "attention_bias": False, "dtype": "bfloat16", "tie_word_embeddings": False, "rope_theta": 10000000,
+           "layer_types": layer_types, "sliding_window": window, "max_window_layers": n, "use_sliding_window": False,
+           "block_size": block_size, "num_target_layers": target_config.num_hidden_layers,
+           "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": layer_ids}}
+    shapes = {'fc.weight': (H, len(layer_ids) * H), 'hidden_norm.weight': (H,), 'norm.weight': (H,)}
+    for i in range(n):
+        p = f'layers.{i}.'
+        shapes.update({p + 'self_attn.q_proj.weight': (heads * d, H), p + 'self_attn.k_proj.weight': (kvh * d, H),
+                       p + 'self_attn.v_proj.weight': (kvh * d, H), p + 'self_attn.o_proj.weight': (H, heads * d),
+                       p + 'self_attn.q_norm.weight': (d,), p + 'self_attn.k_norm.weight': (d,), p + 'mlp.gate_proj.weight': (I, H),
+                       p + 'mlp.up_proj.weight': (I, H), p + 'mlp.down_proj.weight': (H, I), p + 'input_layernorm.weight': (H,),
+                       p + 'post_attention_layernorm.weight': (H,)})
+    g = torch.Generator().manual_seed(seed)
+    tensors = {k: (0.05 * torch.randn(s, generator=g) + (1 if k.endswith('norm.weight') else 0)).to(torch.bfloat16) for k, s in shapes.items()}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / 'config.json').write_text(json.dumps(cfg))
+    from safetensors.torch import save_file
+    save_file(tensors, path / 'model.safetensors', metadata={'format': 'pt'})
+    return tensors
+
+def test_init_from_a_published_checkpoint_fine_tunes_it(work, tmp_path):
+    """`init_from` a drafter in the published layout (2 sliding + 1 full, window 32): the run takes its layers, taps, block,
+    mask token and window, starts from its weights (a step at lr 1e-12 changes none), and its model card says where it started."""
+    from transformers import AutoConfig
+    from safetensors.torch import load_file
+    tc = AutoConfig.from_pretrained(work / 'target')
+    types = ['sliding_attention', 'sliding_attention', 'full_attention']
+    src = published_layout(tmp_path / 'published', tc, types, 32, [0, 1, 2], 3)
+    out = tmp_path / 'run'
+    r = train(**kw(work, out=str(out), targets=1, max_steps=1, ckpt_every=1, lr=1e-12, num_layers=None, init_from=str(tmp_path / 'published')))
+    run = json.loads((out / 'config.json').read_text())
+    c, o = run['config'], run['origins']
+    assert (c['num_layers'], c['layer_ids'], c['block_size'], c['mask_token_id'], c['sliding_window']) == (3, [0, 1, 2], 8, 3, 32)
+    assert c['layer_types'] == ','.join(types) and o['layer_types'].startswith('init_from')
+    got = load_file(out / 'checkpoints/step-1/model.safetensors')
+    assert set(got) == set(src) and all(torch.allclose(got[k], src[k].float(), atol=1e-6) for k in src)
+    d = json.loads((out / 'drafter/config.json').read_text())
+    assert d['layer_types'] == types and d['sliding_window'] == 32 and d['dflash_config']['swa_window_size'] == 32 and d['target_model']
+    assert 'Fine-tuned from the drafter' in (out / 'drafter/README.md').read_text() and r['step'] == 1
+
+@pytest.mark.parametrize('case', ['another target', 'block size', 'taps', 'layer types', 'weights'])
+def test_init_from_refuses_a_drafter_that_does_not_fit(work, tmp_path, case, make_target, save_target):
+    "Each misfit is refused before any rank starts or anything is written, naming both sides."
+    from transformers import AutoConfig
+    tc = AutoConfig.from_pretrained(work / 'target')
+    ck = tmp_path / 'ck'
+    published_layout(ck, tc, ['sliding_attention', 'full_attention'], 32, [0, 2], 3)
+    over, want = dict(init_from=str(ck), num_layers=None), None
+    if case == 'another target':
+        other = save_target(make_target('qwen3_5', hidden=128), tmp_path / 'wide')
+        over['target'], want = str(other), f'has hidden_size 64; the target {other} has 128'
+    if case == 'block size': over['block_size'], want = 16, 'has block_size=8; this run has block_size=16'
+    if case == 'taps': over['layer_ids'], want = [1, 3], 'has layer_ids=[0, 2]; this run has layer_ids=[1, 3]'
+    if case == 'layer types': over['layer_types'], want = 'full,full', "this run has layer_types='full,full'"
+    if case == 'weights':
+        from safetensors.torch import load_file, save_file
+        sd = load_file(ck / 'model.safetensors'); del sd['layers.1.mlp.up_proj.weight']; save_file(sd, ck / 'model.safetensors')
+        want = "layers.1.mlp.up_proj.weight: missing in the file"
+    with pytest.raises(ValueError, match=want.replace('[', r'\[').replace(']', r'\]').replace('(', r'\(').replace(')', r'\)')):
+        train(**kw(work, out=str(tmp_path / 'run'), targets=1, max_steps=1, **over))
+    assert not (tmp_path / 'run' / 'config.json').exists() and not (tmp_path / 'run' / 'metrics.jsonl').exists()

@@ -73,6 +73,11 @@ def model_card(path, training='', tau=None, measured=''):
     c = json.loads((Path(path) / 'config.json').read_text())
     dc, target = c['dflash_config'], c.get('target_model') or 'the target'
     rev = f" (revision `{c['target_revision']}`)" if c.get('target_revision') else ''
+    types = c.get('layer_types') or ['full_attention'] * c['num_hidden_layers']
+    n_sw = types.count('sliding_attention')
+    layers = (f"{n_sw} sliding-window layers ({c.get('sliding_window')} context tokens, causal inside the block) and "
+              f"{len(types) - n_sw} full-attention ones (bidirectional inside the block), `layer_types` {types}" if n_sw else
+              'full attention in every layer (bidirectional inside the block)')
     taus = '\n'.join(f'| {k} | {v:.2f} |' for k, v in (tau or {}).items())
     text = f"""---
 library_name: transformers
@@ -84,7 +89,7 @@ tags: [dflash, speculative-decoding, draft-model]
 A block-diffusion drafter ([DFlash](https://github.com/z-lab/dflash)) that drafts {c['block_size'] - 1} tokens in one pass for
 **{target}**{rev}, conditioned on the outputs of its decoder layers {dc['target_layer_ids']} (of {c.get('num_target_layers')}).
 {c['num_hidden_layers']} Qwen3-style layers, hidden size {c['hidden_size']}, block size {c['block_size']}, mask token id
-{dc['mask_token_id']}. It borrows the target's embeddings and output head, which are not in this checkpoint.
+{dc['mask_token_id']}; {layers}. It borrows the target's embeddings and output head, which are not in this checkpoint.
 
 ## Training
 {training or 'Not recorded.'}

@@ -208,7 +208,8 @@ def test_init_from_a_published_checkpoint_fine_tunes_it(work, tmp_path):
     assert set(got) == set(src) and all(torch.allclose(got[k], src[k].float(), atol=1e-6) for k in src)
     d = json.loads((out / 'drafter/config.json').read_text())
     assert d['layer_types'] == types and d['sliding_window'] == 32 and d['dflash_config']['swa_window_size'] == 32 and d['target_model']
-    assert 'Fine-tuned from the drafter' in (out / 'drafter/README.md').read_text() and r['step'] == 1
+    card = (out / 'drafter/README.md').read_text()
+    assert 'Fine-tuned from the drafter' in card and '2 sliding-window layers (32 context tokens' in card and r['step'] == 1
 
 @pytest.mark.parametrize('case', ['another target', 'block size', 'taps', 'layer types', 'weights'])
 def test_init_from_refuses_a_drafter_that_does_not_fit(work, tmp_path, case, make_target, save_target):

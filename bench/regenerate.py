@@ -1,6 +1,6 @@
 """Regeneration throughput: the in-process path, and the server path at 1, 4 and 16 requests in flight, on the same prompts.
 
-    .venv/bin/python bench/regenerate.py [--target DIR] [--samples 48] [--max-new-tokens 96] [--methods inproc,server-1,server-4,server-16]
+    .venv/bin/python bench/regenerate.py [--target DIR] [--samples 32] [--max-new-tokens 64] [--methods inproc,server-1,server-4,server-16]
 
 - inproc:     `regenerate(..., batch_size=B)`: HF `generate` in this machine's process (a fresh process per method).
 - server-N:   `regenerate(..., server=URL, in_flight=N)` against one `transformers serve` process started here
@@ -54,11 +54,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--target', default=None, help='a model directory; default: SmolLM2-135M-Instruct (dflash.gguf.smollm2())')
     p.add_argument('--data', default=str(ROOT / 'data' / 'real' / 'sharegpt-prompts-train.jsonl'))
-    p.add_argument('--samples', type=int, default=48)
-    p.add_argument('--max-new-tokens', type=int, default=96)
+    p.add_argument('--samples', type=int, default=32)
+    p.add_argument('--max-new-tokens', type=int, default=64)
     p.add_argument('--batch-size', type=int, default=16, help='of the in-process path')
     p.add_argument('--threads', type=int, default=1, help='torch threads of the in-process path and of the server')
     p.add_argument('--methods', default='inproc,server-1,server-4,server-16')
+    p.add_argument('--server-flags', default='auto', help="flags of transformers serve; auto: --continuous-batching when the target has only full attention")
     p.add_argument('--label', default='now')
     p.add_argument('--out', default=str(ROOT / 'runs' / 'bench'))
     p.add_argument('--method', help=argparse.SUPPRESS)
@@ -76,7 +77,7 @@ def main():
         for m in methods:
             if m.startswith('server') and server is None:
                 from dflash.regenerate import LocalServer
-                flags = ['--continuous-batching'] if full_attention(a.target) else []
+                flags = (['--continuous-batching'] if full_attention(a.target) else []) if a.server_flags == 'auto' else a.server_flags.split()
                 server = LocalServer(a.target, *flags, env=env)
             cmd = [sys.executable, __file__, '--method', m, '--target', a.target, '--data', a.data, '--samples', str(a.samples),
                    '--max-new-tokens', str(a.max_new_tokens), '--batch-size', str(a.batch_size), '--threads', str(a.threads),

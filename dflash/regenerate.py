@@ -289,9 +289,9 @@ def _on_servers(job, todo, emit):
     model = job.served_model or _served_model(job, servers)
     work, done, stop, left = queue.Queue(), queue.Queue(), threading.Event(), len(todo)
     for c in todo: work.put(_state(c))
-    for s in servers:
-        for _ in range(job.in_flight if s.why is None else 0):
-            threading.Thread(target=_worker, args=(job, s, servers, model, work, done, stop), daemon=True).start()
+    threads = [threading.Thread(target=_worker, args=(job, s, servers, model, work, done, stop), daemon=True)
+               for s in servers if s.why is None for _ in range(job.in_flight)]
+    for t in threads: t.start()
     try:
         while left:
             try: a = done.get(timeout=0.2)
@@ -302,7 +302,9 @@ def _on_servers(job, todo, emit):
                 continue
             if isinstance(a, Exception): raise a
             emit(a); left -= 1
-    finally: stop.set()
+    finally:
+        stop.set(); end = time.monotonic() + 2   # idle workers see `stop` within 0.2 s; one inside a request is left to finish it
+        for t in threads: t.join(max(0, end - time.monotonic()))
 
 # %% ../nbs/regenerate.ipynb #3bc396f1
 def regenerate_cli(argv=None):

@@ -4,7 +4,7 @@
     .venv/bin/python tools/gpu_check.py --cpu                           the same paths in a reduced form, on a CPU (make test)
 
 Checks, each recorded as passed, failed (with the error) or skipped (with why):
-1. flex:     the drafter's block-masked attention through flex_attention (compiled on a GPU) against SDPA: the same loss
+1. flex:     the drafter's block-masked attention (a sliding layer and a full one) through flex_attention (compiled on a GPU) against SDPA: the same loss
              and gradients within tolerance.
 2. step:     a bf16 drafter training step at a real target's shapes (Qwen3-8B's: hidden 4096, 151936 tokens, 5 layers):
              tokens/s and model FLOPs utilisation (MFU) against the GPU's peak; then the same step with the drafter
@@ -52,10 +52,10 @@ def check_flex(a, torch, dev):
     tc = Qwen3Config(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                      head_dim=H // 8, vocab_size=2048)
     torch.manual_seed(0)
-    d = DFlashDraftModel(drafter_config(tc, 2, 16, 5, [1, 4])).to(dev)
+    b, S = 2, 128 if a.cpu else 1024                         # a sliding layer (window S/4) and a full one: both masks on flex
+    d = DFlashDraftModel(drafter_config(tc, 2, 16, 5, [1, 4], layer_types=['sliding_attention', 'full_attention'], sliding_window=S // 4)).to(dev)
     emb, head = torch.nn.Embedding(2048, H).to(dev).requires_grad_(False), torch.nn.Linear(H, 2048, bias=False).to(dev).requires_grad_(False)
     d.attach_target(embed_tokens=emb, lm_head=head)
-    b, S = 2, 128 if a.cpu else 1024
     g = torch.Generator(device='cpu').manual_seed(1)
     hs, ids = torch.randn(b, S, 2 * H, generator=g).to(dev), torch.randint(0, 2048, (b, S), generator=g).to(dev)
     lm = torch.ones(b, S, dtype=torch.long, device=dev); lm[:, :S // 4] = 0

@@ -62,3 +62,13 @@ def test_reference_class_loads_our_checkpoint_and_drafts_the_same(zlab, target, 
     if layout != 'full':                                     # the window is visible: the same weights, all full, draft otherwise
         full = _drafter(target, tok, 'full'); full.load_state_dict(ours.state_dict())
         assert not torch.allclose(full.draft(taps[:, :39], ids[0, 39], 39), got, atol=1e-3)
+
+
+@pytest.mark.parametrize('layout', ['published', 'all-sliding'])
+def test_sliding_drafter_decodes_losslessly(target, tok, layout):
+    "Speculative decoding with a windowed drafter (contexts well past the window) gives the target's own greedy output."
+    from dflash.evaluate import DFlashDrafter, greedy_decode, spec_decode
+    d = _drafter(target, tok, layout)
+    prompt = torch.randint(4, len(tok), (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    got, steps = spec_decode(target, DFlashDrafter(d), prompt, max_new_tokens=40, block_size=4)
+    assert got == greedy_decode(target, prompt, 40) and 1 + sum(a + 1 for a, _ in steps) == len(got) == 40

@@ -218,7 +218,7 @@ def drafter_for(cfg, mask_token_id):
     if cfg.init_from:
         c = init_config(cfg.init_from); c.update(ids); c.dflash_config['mask_token_id'] = mask_token_id
         return c
-    return drafter_config(tcfg, cfg.num_layers, cfg.block_size, mask_token_id, cfg.layer_ids, layer_types=layer_type_list(cfg.layer_types),
+    return drafter_config(tcfg, cfg.num_layers, cfg.block_size, mask_token_id, cfg.layer_ids, layer_types=cfg.layer_types and layer_type_list(cfg.layer_types),
                           sliding_window=cfg.sliding_window, **ids)
 
 def load_init(model, path):

@@ -75,9 +75,10 @@ def model_card(path, training='', tau=None, measured=''):
     rev = f" (revision `{c['target_revision']}`)" if c.get('target_revision') else ''
     types = c.get('layer_types') or ['full_attention'] * c['num_hidden_layers']
     n_sw = types.count('sliding_attention')
-    layers = (f"{n_sw} sliding-window layers ({c.get('sliding_window')} context tokens, causal inside the block) and "
-              f"{len(types) - n_sw} full-attention ones (bidirectional inside the block), `layer_types` {types}" if n_sw else
-              'full attention in every layer (bidirectional inside the block)')
+    n_full, w = len(types) - n_sw, c.get('sliding_window')
+    sw = f"{n_sw} sliding-window layer{'s' * (n_sw > 1)} (window {w}: at most {w - 1} context positions before the block, causal inside it)" if n_sw else ''
+    full = f"{n_full} full-attention layer{'s' * (n_full > 1)} (the whole context, bidirectional inside the block)" if n_full else ''
+    layers = ' and '.join(filter(None, [sw, full])) + f", `layer_types` {types}"
     taus = '\n'.join(f'| {k} | {v:.2f} |' for k, v in (tau or {}).items())
     text = f"""---
 library_name: transformers

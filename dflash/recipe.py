@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['RECIPE', 'DEMO', 'SLIDING', 'FULL', 'TrainConfig', 'rank_device', 'data_token_ids', 'resolve_mask_token',
-           'layer_type_list', 'is_hybrid', 'resolve_layer_types', 'init_config', 'check_weights', 'resolve_init_from',
-           'drafter_for', 'load_init']
+           'layer_type_list', 'is_hybrid', 'resolve_layer_types', 'adopt_checkpoint', 'init_config', 'check_weights',
+           'resolve_init_from', 'drafter_for', 'load_init']
 
 # %% ../nbs/recipe.ipynb #16cd1c0e
 from dataclasses import dataclass
@@ -113,6 +113,8 @@ class TrainConfig(Job):
             else: self.set('data', str(TRAIN_DATA), 'the embedded train split')
         if self.eval_data is None: self.set('eval_data', str(HELDOUT_DATA), 'the embedded held-out split')
         if self.out is None: self.set('out', str(RUNS / 'train'), 'default')
+        if self.layer_types is not None: self.layer_types = ','.join(layer_type_list(self.layer_types))   # one spelling
+        if self.init_from is not None: self.init_from = str(Path(self.init_from).resolve())
         if self.online and not Path(self.data).exists(): raise FileNotFoundError(f'data: no such file or directory: {self.data}')
         if not self.online and not (Path(self.extracted) / 'manifest.json').exists():
             raise FileNotFoundError(f'extracted: {self.extracted} is not an extraction (no manifest.json)')
@@ -169,7 +171,16 @@ def resolve_layer_types(cfg, target_config):
     types = layer_type_list(cfg.layer_types)
     if len(types) != n: raise ValueError(f'layer_types={cfg.layer_types!r} names {len(types)} layers; num_layers={n}')
     if SLIDING in types and cfg.sliding_window is None: cfg.set('sliding_window', 2048, "recipe: the published Qwen3.6-27B drafter's")
+    if SLIDING not in types and cfg.sliding_window is not None and cfg.origins.get('sliding_window') == 'given':
+        raise ValueError(f'sliding_window={cfg.sliding_window}: no layer of layer_types={cfg.layer_types!r} is sliding')
     return types
+
+def adopt_checkpoint(cfg, old):
+    "On resume: the mask token and layers the checkpoint's run had (`old`: its config), where this run leaves them unset."
+    if cfg.mask_token_id is None and old.get('mask_token_id') is not None: cfg.set('mask_token_id', old['mask_token_id'], "the checkpoint's")
+    if cfg.layer_types is None:   # a run from before layer types had full attention in every layer
+        cfg.set('layer_types', old.get('layer_types') or ','.join([FULL] * cfg.num_layers), "the checkpoint's")
+    if cfg.sliding_window is None and old.get('sliding_window'): cfg.set('sliding_window', old['sliding_window'], "the checkpoint's")
 
 # %% ../nbs/recipe.ipynb #b15f8912
 def init_config(path):
@@ -198,7 +209,8 @@ def check_weights(c, path):
 def resolve_init_from(cfg, target_config):
     "With `init_from`: check that its drafter fits the target and the run (see above); take the settings left unset from it."
     c, tc, p = init_config(cfg.init_from), text_config(target_config), cfg.init_from
-    for what, ours, its in (('hidden_size', tc.hidden_size, c.hidden_size), ('vocab_size', tc.vocab_size, c.vocab_size)):
+    for what, ours, its in (('hidden_size', tc.hidden_size, c.hidden_size), ('vocab_size', tc.vocab_size, c.vocab_size),
+                            ('num_target_layers', tc.num_hidden_layers, c.num_target_layers or tc.num_hidden_layers)):
         if ours != its: raise ValueError(f'init_from: {p} has {what} {its}; the target {cfg.target} has {ours}: it was trained for another target')
     if max(c.target_layer_ids) >= tc.num_hidden_layers:
         raise ValueError(f'init_from: {p} taps layers {c.target_layer_ids}; the target {cfg.target} has {tc.num_hidden_layers} layers')
@@ -207,6 +219,9 @@ def resolve_init_from(cfg, target_config):
         if cfg.origins.get(k) != 'given': cfg.set(k, its, f"init_from {p}'s")
         elif (layer_type_list(ours) if k == 'layer_types' else ours) != (layer_type_list(its) if k == 'layer_types' else its):
             raise ValueError(f'init_from: {p} has {k}={its!r}; this run has {k}={ours!r}: leave {k} unset to take the checkpoint\'s')
+    if not cfg.online and (ids := ExtractedDataset(cfg.extracted).layer_ids) != cfg.layer_ids:
+        raise ValueError(f'init_from: {p} taps layers {cfg.layer_ids}; the extraction {cfg.extracted} holds layers {ids}: '
+                         'extract those layers, or train online')
     check_weights(c, p)
     return c
 
@@ -217,6 +232,7 @@ def drafter_for(cfg, mask_token_id):
     ids = dict(target_model=target_name(cfg.target), target_revision=target_revision(cfg.target), target_config_sha256=config_sha256(tcfg))
     if cfg.init_from:
         c = init_config(cfg.init_from); c.update(ids); c.dflash_config['mask_token_id'] = mask_token_id
+        c.__dict__.pop('auto_map', None)                  # its remote code is not saved beside ours
         return c
     return drafter_config(tcfg, cfg.num_layers, cfg.block_size, mask_token_id, cfg.layer_ids, layer_types=cfg.layer_types and layer_type_list(cfg.layer_types),
                           sliding_window=cfg.sliding_window, **ids)

@@ -26,7 +26,7 @@ from .publish import save_drafter, model_card, mask_token_for
 from .evaluate import TauProbe, NgramDrafter, tau_table, load_prompts
 from .dist import Coord, HSSender, OnlineSource, launch, peer_lost, store_from_env
 from .metrics import Meter, follow, progress_line
-from .recipe import TrainConfig, rank_device, resolve_mask_token, resolve_layer_types, resolve_init_from, drafter_for, load_init
+from .recipe import TrainConfig, rank_device, resolve_mask_token, resolve_layer_types, resolve_init_from, drafter_for, load_init, adopt_checkpoint
 from .balance import auto_split
 
 # %% ../nbs/train.ipynb #cf231419
@@ -275,7 +275,7 @@ def run_rank(cfg, rank=0, world=1, local_rank=0, store=None):
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()                       # a rank's log is for its own progress
     device = rank_device(cfg, local_rank)
-    if device.type == 'cuda': torch.cuda.setrank_device(device)
+    if device.type == 'cuda': torch.cuda.set_device(device)
     T = cfg.targets if cfg.online else 0
     if cfg.threads or (device.type == 'cpu' and world > 1):   # targets idle behind a full queue: drafters get more cores
         n = os.cpu_count() or 1
@@ -375,14 +375,14 @@ def prepare_job(cfg):
     if cfg.init_from: resolve_init_from(cfg, tcfg)                   # before any default: unset settings are the checkpoint's
     if cfg.layer_ids is None and not cfg.online: cfg.set('layer_ids', ExtractedDataset(cfg.extracted).layer_ids, "the extraction's")
     if cfg.layer_ids is None: cfg.set('layer_ids', default_layer_ids(L, cfg.num_layers), f'the DFlash rule for {cfg.num_layers} drafter layers')
-    check_layer_ids(cfg.layer_ids, L); resolve_layer_types(cfg, tcfg)
+    check_layer_ids(cfg.layer_ids, L)
     if cfg.final_eval or cfg.eval_every:                             # every eval file read before anything trains
         tok = load_tokenizer(cfg.target)
         for f in cfg.eval_data.split(','): f.strip() and load_prompts(tok, f.strip(), cfg.eval_prompts)
     if cfg.resume and (ck := latest_checkpoint(out)) is not None:     # refuse changed settings before anything is written
         st = json.loads((ck / 'COMPLETE').read_text()); old = st.get('config', {})
-        if cfg.mask_token_id is None and old.get('mask_token_id') is not None: cfg.set('mask_token_id', old['mask_token_id'], "the checkpoint's")
-        _resume_changes(ck, st, cfg, None)
+        adopt_checkpoint(cfg, old); _resume_changes(ck, st, cfg, None)
+    resolve_layer_types(cfg, tcfg)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.online: cfg.data = str(Path(prepared(cfg.data, cfg.target, out, cfg.max_length)).resolve())
     else: cfg.extracted = str(Path(cfg.extracted).resolve())

@@ -31,3 +31,13 @@ def test_the_drafter_loads_without_jobs_or_plotting():
             "'dflash.train', 'dflash.tiny_target', 'tokenizers.trainers') if m in sys.modules))")
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == '', r.stdout + r.stderr[-2000:]
+
+
+def test_every_torch_cuda_call_exists():
+    "Code that runs only on a GPU still names real functions: every `torch.cuda.X` in the package exists in this torch."
+    import torch
+    for p in PKG.glob('*.py'):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == 'cuda' \
+                    and isinstance(n.value.value, ast.Name) and n.value.value.id == 'torch':
+                assert hasattr(torch.cuda, n.attr), f'{p.name}:{n.lineno}: torch.cuda.{n.attr} does not exist'

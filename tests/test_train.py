@@ -209,10 +209,11 @@ def test_init_from_a_published_checkpoint_fine_tunes_it(work, tmp_path):
     d = json.loads((out / 'drafter/config.json').read_text())
     assert d['layer_types'] == types and d['sliding_window'] == 32 and d['dflash_config']['swa_window_size'] == 32 and d['target_model']
     card = (out / 'drafter/README.md').read_text()
-    assert 'Fine-tuned from the drafter' in card and '2 sliding-window layers (32 context tokens' in card and r['step'] == 1
+    assert 'Fine-tuned from the drafter' in card and '2 sliding-window layers (window 32: at most 31 context positions' in card
+    assert 'auto_map' not in d and r['step'] == 1                      # the published remote code is not beside ours
 
-@pytest.mark.parametrize('case', ['another target', 'block size', 'taps', 'layer types', 'weights'])
-def test_init_from_refuses_a_drafter_that_does_not_fit(work, tmp_path, case, make_target, save_target):
+@pytest.mark.parametrize('case', ['another target', 'block size', 'taps', 'layer types', 'weights', 'extraction'])
+def test_init_from_refuses_a_drafter_that_does_not_fit(work, extracted, tmp_path, case, make_target, save_target):
     "Each misfit is refused before any rank starts or anything is written, naming both sides."
     from transformers import AutoConfig
     tc = AutoConfig.from_pretrained(work / 'target')
@@ -224,11 +225,32 @@ def test_init_from_refuses_a_drafter_that_does_not_fit(work, tmp_path, case, mak
         over['target'], want = str(other), f'has hidden_size 64; the target {other} has 128'
     if case == 'block size': over['block_size'], want = 16, 'has block_size=8; this run has block_size=16'
     if case == 'taps': over['layer_ids'], want = [1, 3], 'has layer_ids=[0, 2]; this run has layer_ids=[1, 3]'
-    if case == 'layer types': over['layer_types'], want = 'full,full', "this run has layer_types='full,full'"
+    if case == 'layer types': over['layer_types'], want = 'full,full', "this run has layer_types='full_attention,full_attention'"
     if case == 'weights':
         from safetensors.torch import load_file, save_file
         sd = load_file(ck / 'model.safetensors'); del sd['layers.1.mlp.up_proj.weight']; save_file(sd, ck / 'model.safetensors')
         want = "layers.1.mlp.up_proj.weight: missing in the file"
+    if case == 'extraction': over['extracted'], want = str(extracted), f'taps layers [0, 2]; the extraction {extracted} holds layers [2]'
     with pytest.raises(ValueError, match=want.replace('[', r'\[').replace(']', r'\]').replace('(', r'\(').replace(')', r'\)')):
         train(**kw(work, out=str(tmp_path / 'run'), targets=1, max_steps=1, **over))
     assert not (tmp_path / 'run' / 'config.json').exists() and not (tmp_path / 'run' / 'metrics.jsonl').exists()
+
+
+def test_resume_of_a_run_from_before_layer_types_keeps_full_attention(work, tmp_path):
+    """A checkpoint whose run recorded no layer_types (written before they existed: all full) resumes with full attention,
+    not the hybrid target's sliding default; a run given the layer types in another spelling resumes too."""
+    out = tmp_path / 'run'
+    train(**kw(work, out=str(out), targets=1, max_steps=2, ckpt_every=1, num_layers=2, layer_types='full,full'))
+    ck = latest_checkpoint(out)
+    st = torch.load(ck / 'trainer.pt', weights_only=False)
+    for k in ('layer_types', 'sliding_window', 'init_from'): st['config'].pop(k)
+    torch.save(st, ck / 'trainer.pt')
+    done = json.loads((ck / 'COMPLETE').read_text())
+    for k in ('layer_types', 'sliding_window', 'init_from'): done['config'].pop(k)
+    (ck / 'COMPLETE').write_text(json.dumps(done))
+    train(**kw(work, out=str(out), targets=1, max_steps=3, ckpt_every=1, num_layers=2, resume=True, resume_changes='max_steps'))
+    run = json.loads((out / 'config.json').read_text())
+    assert run['config']['layer_types'] == 'full_attention,full_attention' and run['origins']['layer_types'] == "the checkpoint's"
+    train(**kw(work, out=str(out), targets=1, max_steps=4, ckpt_every=1, num_layers=2, resume=True, resume_changes='max_steps',
+               layer_types='full_attention, full_attention'))
+    assert sorted(losses(out)) == [1, 2, 3, 4]

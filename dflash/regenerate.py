@@ -100,6 +100,8 @@ class RegenerateConfig(Job):
     served_model: str | None = param(None, 'the model name sent to the servers; None: the first their /v1/models lists')
     timeout: float = param(600.0, 'seconds a request may take before it is tried again', gt=0)
     retries: int = param(3, 'tries again after a failed request (1, 2, 4 ... s apart) before its server is given up', min=0)
+    on_refused: str = param('stop', 'a conversation whose request a server refuses (HTTP 4xx, e.g. a prompt over its context): stop the job, '
+                            'or skip it (listed in OUT.refused.jsonl, tried again by the next run)', choices=['stop', 'skip'])
 
     def check(self):
         if self.target is None: self.set('target', str(TINY_TARGET), 'the embedded target')
@@ -269,7 +271,11 @@ def _worker(job, srv, servers, model, work, done, stop):
                 r = _tries(job, srv, servers, lambda: _reply(call_server(srv.url, '/v1/chat/completions', chat_request(job, model, a), job.timeout)))
                 if r is None: work.put(a); return
                 _answer(a, reply_text(r[0], job.reasoning), *r[1:])
-        except Exception as e: done.put(RequestRefused(f"conversation {a['id']}, reply {a['k'] + 1}: {e}")); return
+        except Exception as e:
+            err = RequestRefused(f"conversation {a['id']}, reply {a['k'] + 1}: {e}"); err.conv_id = a['id'] if isinstance(e, RequestRefused) else None
+            done.put(err)
+            if err.conv_id is None or job.on_refused == 'stop': return
+            continue
         done.put(a)
 
 # %% ../nbs/regenerate.ipynb #7f7f63e1
@@ -286,8 +292,9 @@ def _served_model(job, servers):
 def _on_servers(job, todo, emit):
     "Regenerate `todo` on the servers of `job.server`, `in_flight` requests at a time on each; `emit` gets each finished one."
     servers = [_Server(u) for u in job.servers()]
+    Path(job.out).with_suffix('.refused.jsonl').unlink(missing_ok=True)   # it lists the refusals of the last run only
     model = job.served_model or _served_model(job, servers)
-    work, done, stop, left = queue.Queue(), queue.Queue(), threading.Event(), len(todo)
+    work, done, stop, left, refused = queue.Queue(), queue.Queue(), threading.Event(), len(todo), []
     for c in todo: work.put(_state(c))
     threads = [threading.Thread(target=_worker, args=(job, s, servers, model, work, done, stop), daemon=True)
                for s in servers if s.why is None for _ in range(job.in_flight)]
@@ -300,9 +307,14 @@ def _on_servers(job, todo, emit):
                     raise RuntimeError('no server left: ' + '; '.join(f'{s.url} ({s.why})' for s in servers) + f'. {job.out} keeps the '
                                        f'{len(todo) - left} conversations done; the same command does the other {left} once a server is back')
                 continue
-            if isinstance(a, Exception): raise a
+            if isinstance(a, Exception):
+                if a.conv_id is None or job.on_refused == 'stop': raise a
+                refused.append(dict(id=a.conv_id, error=str(a))); left -= 1; continue
             emit(a); left -= 1
     finally:
+        if refused:
+            (f := Path(job.out).with_suffix('.refused.jsonl')).write_text(''.join(json.dumps(r) + '\n' for r in refused))
+            print(f'regenerate: {len(refused)} conversations refused by the server, skipped: listed in {f}; the next run tries them again')
         stop.set(); end = time.monotonic() + 2   # idle workers see `stop` within 0.2 s; one inside a request is left to finish it
         for t in threads: t.join(max(0, end - time.monotonic()))
 

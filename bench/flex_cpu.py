@@ -3,7 +3,7 @@ tokens, stock-like target of hidden 128): forward time of each, then whether fle
 
     python bench/flex_cpu.py
 """
-import time, torch, transformers as T, resource
+import time, torch, transformers as T
 from dflash.model import DFlashDraftModel, drafter_config
 torch.manual_seed(0); torch.set_num_threads(2)
 tc = T.Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,

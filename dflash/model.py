@@ -406,12 +406,14 @@ class DraftCache:
 
     def crop(self, n):
         "Keep positions 0..n-1 (after a rejected draft, or to rewind); a sliding layer cannot rewind past what it dropped."
-        for i, f in enumerate(self.first):
-            if f > max(0, n - (self._keep(i) or 0) + self.slack):
+        for i, f in enumerate(self.first):             # f > 0: a sliding layer that dropped positions; a block at n reads back to n - (W-1)
+            if f and f > max(0, n - (self.windows[i] - 1)):
                 raise ValueError(f'layer {i} (window {self.windows[i]}) keeps positions from {f} on: cannot rewind to {n}')
         self.k, self.v = [k[:, :, :n - f] for k, f in zip(self.k, self.first)], [v[:, :, :n - f] for v, f in zip(self.v, self.first)]
         return self
 
+
+# %% ../nbs/model.ipynb #cce9ebde
 @torch.no_grad()
 def _draft(self, context_hidden, last_token, start_pos=None, cache=None):
     """Append `context_hidden` [b, new, n*H] (taps of the positions after those cached) to `cache`, then draft the

@@ -217,7 +217,7 @@ def resolve_init_from(cfg, target_config):
     for k, its in _checkpoint_settings(c).items():
         ours = getattr(cfg, k)
         if cfg.origins.get(k) != 'given': cfg.set(k, its, f"init_from {p}'s")
-        elif (layer_type_list(ours) if k == 'layer_types' else ours) != (layer_type_list(its) if k == 'layer_types' else its):
+        elif ours != its:                        # layer_types: one spelling on both sides (`TrainConfig.check`, `_checkpoint_settings`)
             raise ValueError(f'init_from: {p} has {k}={its!r}; this run has {k}={ours!r}: leave {k} unset to take the checkpoint\'s')
     if not cfg.online and (ids := ExtractedDataset(cfg.extracted).layer_ids) != cfg.layer_ids:
         raise ValueError(f'init_from: {p} taps layers {cfg.layer_ids}; the extraction {cfg.extracted} holds layers {ids}: '

@@ -33,7 +33,7 @@ def _drafter(target, tok, layout, seed=0):
     torch.manual_seed(seed)
     d = DFlashDraftModel(drafter_config(target.config, 3, 4, tok.mask_token_id, layer_types=types, sliding_window=w))
     with torch.no_grad():                                   # larger weights than the init, so that attention matters
-        for n, p in d.named_parameters():
+        for p in d.parameters():
             if p.dim() == 2: p.normal_(0, 0.15)
     return d.attach_target(target).eval()
 

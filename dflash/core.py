@@ -63,17 +63,19 @@ def file_sha256(path, chunk=1 << 23):
 class Feeder:
     "A daemon thread running `self.fill()`, which `put`s items into a queue of at most `maxsize`; `get()` takes them."
     def __init__(self, maxsize=0, name='dflash-feeder'):
-        self.q, self.error, self.wait_s, self.done = queue.Queue(maxsize), None, 0.0, False
+        self.q, self.error, self.wait_s, self.done, self.ended = queue.Queue(maxsize), None, 0.0, False, False
         self.thread = threading.Thread(target=self._run, name=name, daemon=True); self.thread.start()
 
     def fill(self): raise NotImplementedError
     def put(self, item): self.q.put(item)
-    def qsize(self): return self.q.qsize()
+    def qsize(self):
+        "Items waiting, the end-of-stream marker not counted."
+        return max(0, self.q.qsize() - (self.ended and not self.done))
 
     def _run(self):
         try: self.fill()
         except BaseException as e: self.error = e
-        finally: self.q.put(None)
+        finally: self.ended = True; self.q.put(None)
 
     def get(self):
         "The next item; None when the feeder has finished. Raises what the feeder raised."

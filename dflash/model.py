@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['GAMMA', 'DFlashConfig', 'drafter_config', 'DFlashAttention', 'DFlashDecoderLayer', 'DFlashDraftModel', 'pad_anchors',
            'sample_anchors', 'anchor_generator', 'block_mask', 'anchor_chunks', 'flex_block_mask', 'block_labels',
-           'slot_weights', 'DFlashOutput', 'HeadCE', 'DraftCache']
+           'slot_weights', 'DFlashOutput', 'HeadCE', 'frequent_labels', 'feature_scale_of', 'DraftCache']
 
 # %% ../nbs/model.ipynb #149b3545
 from dataclasses import dataclass
@@ -184,6 +184,7 @@ class DFlashDraftModel(PreTrainedModel):
         self.hidden_norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.register_buffer('feature_scale', None, persistent=False)   # see `set_feature_scale`
         self.post_init()
 
     block_size = property(lambda self: self.config.block_size)
@@ -213,8 +214,9 @@ class DFlashDraftModel(PreTrainedModel):
         return F.linear(h.to(head.weight.dtype), head.weight.detach(), None if b is None else b.detach())
 
     def context(self, hidden_states):
-        "Tapped target states [b, S, n*H] -> context features [b, S, H]: `fc`, then `hidden_norm`."
-        return self.hidden_norm(self.fc(hidden_states.to(self.fc.weight.dtype)))
+        "Tapped target states [b, S, n*H] -> context features [b, S, H]: `fc` (of the taps times `feature_scale`, if set), then `hidden_norm`."
+        x = hidden_states.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(x if self.feature_scale is None else x * self.feature_scale))
 
     def noise_ids(self, last_tokens):
         "The noise block for each committed token in `last_tokens` [...]: it, then B-1 mask tokens: [..., B]."
@@ -303,7 +305,8 @@ def slot_weights(block_size, gamma=None, device=None):
 
 @dataclass
 class DFlashOutput(ModelOutput):
-    "Training forward: weighted `loss`, per-slot `acc` [B-1] (with `correct`, `count` for summing over ranks), total label `weight`."
+    """Training forward: weighted `loss`, per-slot `acc` [B-1] (with `correct`, `count` for summing over ranks), total label `weight`;
+    `labels` and argmax `hits` [b, A, B-1] of every block."""
     loss: torch.Tensor | None = None
     acc: torch.Tensor | None = None
     correct: torch.Tensor | None = None
@@ -311,6 +314,7 @@ class DFlashOutput(ModelOutput):
     weight: torch.Tensor | None = None
     anchors: torch.Tensor | None = None
     labels: torch.Tensor | None = None
+    hits: torch.Tensor | None = None
     logits: torch.Tensor | None = None
 
 # %% ../nbs/model.ipynb #b0854cee
@@ -338,15 +342,19 @@ class HeadCE(torch.autograd.Function):
         grad, = ctx.saved_tensors
         return grad * dloss, None, None, None, None, None
 
-def _head_ce(drafter, h, labels, w, chunk=4096):
-    "`(sum of w*CE, hits)` of rows `h` through the target's head: `HeadCE` when training, plain chunks otherwise."
+def _head_ce(drafter, h, labels, w, chunk=4096, vocab=None):
+    """`(sum of w*CE, hits)` of rows `h` through the target's head: `HeadCE` when training, plain chunks otherwise. With `vocab`
+    (token ids), only the head's rows of `vocab` and of the labels are scored: every label is always a candidate."""
     head = drafter._io()[1]
-    b = getattr(head, 'bias', None)
-    if torch.is_grad_enabled():
-        return HeadCE.apply(h, head.weight.detach(), None if b is None else b.detach(), labels, w, chunk)
+    W, b = head.weight.detach(), getattr(head, 'bias', None)
+    b = None if b is None else b.detach()
+    if vocab is not None:
+        ids = torch.unique(torch.cat([vocab.to(labels.device), labels]))        # sorted
+        W, b, labels = W[ids], None if b is None else b[ids], torch.searchsorted(ids, labels)
+    if torch.is_grad_enabled(): return HeadCE.apply(h, W, b, labels, w, chunk)
     loss, hits = h.new_zeros((), dtype=torch.float32), []
     for i in range(0, len(labels), chunk):
-        logits = drafter.logits(h[i:i + chunk]).float()
+        logits = F.linear(h[i:i + chunk].to(W.dtype), W, b).float()
         loss = loss + (w[i:i + chunk] * F.cross_entropy(logits, labels[i:i + chunk], reduction='none')).sum()
         hits.append(logits.argmax(-1) == labels[i:i + chunk])
     return loss, torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=h.device)
@@ -356,8 +364,8 @@ def _head_ce(drafter, h, labels, w, chunk=4096):
 def _acc(correct, count): return correct / count.clamp_min(1)
 
 def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_valid=None, num_anchors=512,
-             generator=None, gamma=None, attn_impl=None, chunk=4096, return_logits=False, attn_chunk=64):
-    "Training forward: every block of every sequence at once; returns a `DFlashOutput`."
+             generator=None, gamma=None, attn_impl=None, chunk=4096, return_logits=False, attn_chunk=64, vocab=None):
+    "Training forward: every block of every sequence at once; returns a `DFlashOutput`. `vocab`: score only these head rows (and the labels')."
     b, S = input_ids.shape
     B, dev = self.block_size, input_ids.device
     if anchors is None: anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
@@ -381,14 +389,50 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
     hk, lk = h[keep], labels[keep]
     hits = torch.zeros(labels.shape, device=dev)
     if len(lk):
-        total, hit = _head_ce(self, hk, lk, wk, chunk)
+        total, hit = _head_ce(self, hk, lk, wk, chunk, vocab)
         loss = total / wk.sum(); hits[keep] = hit.float()
     else: loss = h.sum() * 0                                             # no labels: a zero that still reaches every parameter
     correct, count = hits.sum((0, 1)), keep.sum((0, 1))
     return DFlashOutput(loss=loss, acc=_acc(correct, count), correct=correct, count=count, weight=wk.sum(),
-                        anchors=anchors, labels=labels, logits=self.logits(h) if return_logits else None)
+                        anchors=anchors, labels=labels, hits=hits.bool(), logits=self.logits(h) if return_logits else None)
 
 DFlashDraftModel.forward = _forward
+
+# %% ../nbs/model.ipynb #08eb94ad
+def frequent_labels(input_ids, loss_mask, k):
+    "`(ids, coverage)`: the `k` most frequent tokens under `loss_mask` (flat arrays), sorted by id, and the share of the labels they are."
+    import numpy as np
+    lab = np.asarray(input_ids)[np.asarray(loss_mask).astype(bool)]
+    ids, counts = np.unique(lab, return_counts=True)
+    top = np.sort(ids[np.argsort(-counts, kind='stable')[:k]])
+    return torch.as_tensor(top, dtype=torch.long), float(counts[np.isin(ids, top)].sum() / max(1, counts.sum()))
+
+# %% ../nbs/model.ipynb #03a6dfd7
+def feature_scale_of(hidden_states, mask=None):
+    "`(sum of squares [F], count)` of each feature over the real tokens of `hidden_states` [b, S, F] (`mask` [b, S]); sums add over batches and ranks."
+    x = hidden_states.float().flatten(0, -2)
+    if mask is not None: x = x[mask.flatten().bool()]
+    return x.pow(2).sum(0), x.new_tensor(float(len(x)))
+
+def _set_feature_scale(self, sumsq, count, keep_function=False, eps=1e-4):
+    """Read the taps as `x * s` from now on, with s = 1 / RMS of each feature (`sumsq`, `count` of `feature_scale_of`). `keep_function`
+    (a warm start) divides `fc`'s weights by s, so the drafter computes what it did before. `eps` is relative to the median mean square: a
+    feature that is nearly always zero is not blown up. Returns self."""
+    ms = sumsq / count.clamp_min(1)
+    s = (ms + eps * ms.median()).rsqrt().to(self.fc.weight)
+    with torch.no_grad():
+        if keep_function: self.fc.weight.mul_(1 / s if self.feature_scale is None else self.feature_scale / s)
+        if self.feature_scale is None: self.feature_scale = s
+        else: self.feature_scale.copy_(s)                          # in place: a DDP wrapper keeps the same buffer
+    return self
+
+def _served_state_dict(self):
+    "The weights as served: `fc`'s with the feature scale folded in (`fc(x * s) = (W * s) x`), the checkpoint of a plain drafter."
+    sd = self.state_dict()
+    if self.feature_scale is not None: sd['fc.weight'] = self.fc.weight.detach() * self.feature_scale[None]
+    return sd
+
+DFlashDraftModel.set_feature_scale, DFlashDraftModel.served_state_dict = _set_feature_scale, _served_state_dict
 
 # %% ../nbs/model.ipynb #9a6be64c
 class DraftCache:

@@ -58,9 +58,11 @@ def mask_token_for(target, given=None, data_ids=None):
 
 # %% ../nbs/publish.ipynb #e408fc02
 def save_drafter(model, path, dtype=None):
-    "`model.save_pretrained(path)` on any rank (transformers writes only on global rank 0), its weights in `dtype` if given."
+    """`model.save_pretrained(path)` on any rank (transformers writes only on global rank 0), its weights as served (a feature scale
+    folded into `fc`) and in `dtype` if given."""
     model.should_save_on_this_rank = lambda is_main_process: True
-    sd = None if dtype is None else {k: v.to(dtype) for k, v in model.state_dict().items()}
+    sd = model.served_state_dict()
+    if dtype is not None: sd = {k: v.to(dtype) for k, v in sd.items()}
     model.save_pretrained(path, state_dict=sd)
     if dtype is not None:
         c = json.loads((Path(path) / 'config.json').read_text()); c['dtype'] = str(dtype).removeprefix('torch.')

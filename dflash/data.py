@@ -102,7 +102,7 @@ def cut_replies(rec, msgs):
 
 # %% ../nbs/data.ipynb #b785a528
 def load_conversations(path, max_samples=None, need_answer=True, keep_empty=False):
-    "Valid conversations `[dict(id, row, file, messages, cut)]` of `path` (`cut`: see `cut_replies`) and the problems `[dict(file, row, reason, detail)]`."
+    "Valid conversations `[dict(id, row, file, messages, cut)]` of `path` (`cut`: `cut_replies`), and the problems `[dict(file, row, reason, detail)]`."
     convs, problems, seen = [], [], set()
     for row, rec in read_rows(path)[:max_samples]:
         try:
@@ -158,8 +158,9 @@ def assistant_spans(tok, msgs, specials=None, cut=()):
             k = text.find(c, s, stop)
             if k >= 0: e = k + len(c) if i in cut else _after_eot(text, k + len(c), stop, specials)
             else:  # the template changed the text: the turn ends with its last special token
-                p, q = max([(p, p + len(t)) for t in specials if (p := text.rfind(t, s, stop)) >= 0] or [(stop, stop)], key=lambda x: (x[1], x[0]))
-                e = p if i in cut else q
+                ends = [(p, p + len(t)) for t in specials if (p := text.rfind(t, s, stop)) >= 0] or [(stop, stop)]
+                p, q = max(ends, key=lambda x: (x[1], x[0]))
+                e = p if i in cut else q   # a cut reply: up to that token
         else:  # not prefix-stable: find the content after the previous turn
             k = text.find(c, pos)
             if k < 0: raise BadRow('template error', f'assistant turn {i} not found in the rendered text')

@@ -82,8 +82,9 @@ def gguf_to_dir(gguf, out, dtype=torch.float32):
         files = sorted(p.name for p in tmp.iterdir())
         write_json_atomic(tmp / 'gguf.json', dict(source=str(gguf.resolve()), bytes=gguf.stat().st_size, dtype=str(dtype), files=files))
         if not out.exists(): os.replace(tmp, out)
-        else:   # empty, or an earlier conversion: what it wrote is set aside, the rest of `out` stays; gguf.json comes last
-            if earlier and (aside := set_aside(out, _written_by(earlier, out))): print(f'gguf: the earlier conversion in {out} moved to {aside}')
+        else:   # empty, or an earlier conversion: what it wrote (or what a new file would replace) is set aside; gguf.json comes last
+            names = (_written_by(earlier, out) if earlier else []) + [n for n in files if (out / n).exists()]
+            if aside := set_aside(out, list(dict.fromkeys(names))): print(f'gguf: the earlier conversion in {out} moved to {aside}')
             for n in files + ['gguf.json']: os.replace(tmp / n, out / n)
     finally: shutil.rmtree(tmp, ignore_errors=True)
     return out

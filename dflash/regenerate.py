@@ -111,7 +111,8 @@ class RegenerateConfig(Job):
     timeout: float = param(600.0, 'seconds a request may take before it is tried again', gt=0)
     retries: int = param(3, 'tries again after a failed request (1, 2, 4 ... s apart) before its server is given up', min=0)
     on_refused: str = param('stop', 'a conversation whose request a server refuses (HTTP 4xx, e.g. a prompt over its context): stop the job, '
-                            'or skip it (listed in OUT.refused.jsonl, tried again by the next run)', choices=['stop', 'skip'])
+                            'or skip it (listed in OUT.refused.jsonl, tried again by the next run; the job still stops when most are refused)',
+                            choices=['stop', 'skip'])
     adopt_settings: bool = param(False, 'continue an out of an older dflash_regenerate that recorded no settings (no OUT.settings.json), '
                                  "taking this run's settings as those its rows were made with")
 
@@ -122,10 +123,12 @@ class RegenerateConfig(Job):
         if not Path(self.data).is_file(): raise FileNotFoundError(f'data: no such file: {self.data}')
         out = Path(self.out)
         if out.is_dir(): raise IsADirectoryError(f'out: {out} is a directory; regenerate writes a JSONL file (e.g. {out}/regen.jsonl)')
-        for p, what in [(out, ''), (settings_path(out), ', its settings file'), (refused_path(out), ', its list of refused conversations')]:
+        if out.exists() and os.path.samefile(out, self.data):
+            raise ValueError(f'out: {out} is the data file {self.data} itself: the regenerated conversations go to a file of their own; '
+                             'choose another out')
+        for p, what in [(settings_path(out), 'settings file'), (refused_path(out), 'list of refused conversations')]:
             if p.exists() and os.path.samefile(p, self.data):
-                raise ValueError(f'out: {p}{what if what else ""} is the data file {self.data} itself: the regenerated conversations go '
-                                 'to a file of their own; choose another out')
+                raise ValueError(f'out: {out}: its {what}, {p}, is the data file {self.data} itself (the job replaces it); choose another out')
         if self.server is not None and not self.servers(): raise ValueError(f'server={self.server!r}: no URL in it')
         self.template_kwargs()
         return self
@@ -218,7 +221,8 @@ def _check_empty(job, n, held, final):
     "On servers, stop the job when most replies are empty (more than half: checked from 16 replies on, and at the end); in process, say so."
     if not (n['empty'] * 2 > n['replies'] and (final or n['replies'] >= 16 and job.server)): return
     hint = '; with reasoning=drop a reply cut inside its thinking is empty: raise max_new_tokens' if job.reasoning == 'drop' else ''
-    if not job.server: return print(f"regenerate: warning: {n['empty']} of {n['replies']} replies of the target {target_name(job.target)} are empty{hint}")
+    if not job.server:
+        return print(f"regenerate: warning: {n['empty']} of {n['replies']} replies of the target {target_name(job.target)} are empty{hint}")
     by = sorted({a['by'] for a in held if a.get('by')})
     raise RuntimeError(f"{n['empty']} of {n['replies']} replies from the server{'s' if len(by) > 1 else ''} {', '.join(by)} are empty (conversation "
                        f"{held[0]['id']}: {held[0]['raw']}){hint}. Stopped; the {len(held)} conversations with an empty reply are not written to "
@@ -246,7 +250,8 @@ def regenerate(*args, **kw):
     n, held, pbar, t0 = Counter(), [], tqdm(total=len(todo), desc='regenerate'), time.perf_counter()
     with open(out_jsonl, 'a') as f:
         def write(a):
-            f.write(json.dumps(dict(id=a['id'], messages=a['messages'], truncated_turns=len(a['cut']), truncated_messages=a['cut'])) + '\n'); f.flush()
+            row = dict(id=a['id'], messages=a['messages'], truncated_turns=len(a['cut']), truncated_messages=a['cut'])
+            f.write(json.dumps(row) + '\n'); f.flush()
         def emit(a):
             n.update(a['finish']); n['tokens'] += a['tokens']; n['conversations'] += 1; pbar.update()
             n['replies'] += len(a['turns']); n['empty'] += len(a['empty'])

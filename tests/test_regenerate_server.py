@@ -77,9 +77,11 @@ def test_kill_mid_run_then_resume_on_a_restarted_server(convs, tmp_path):
         with pytest.raises(RequestRefused, match=f'HTTP 422.*top_k') as e:
             regenerate(TINY_TARGET, src, tmp_path / 'topk.jsonl', server=srv.url, temperature=1.0, top_k=5, max_new_tokens=4)
         assert srv.url in str(e.value) and not lines_in(tmp_path / 'topk.jsonl')
-        # on_refused='skip': each refused conversation is listed, none written; the next run (fixed) does them and the list goes
+        # on_refused='skip': each refused conversation is listed, none written, and a job refused every time fails; the next run
+        # (fixed) does them and the list goes
         skip = tmp_path / 'skip.jsonl'
-        regenerate(TINY_TARGET, src, skip, server=srv.url, temperature=1.0, top_k=5, max_new_tokens=4, max_samples=4, on_refused='skip')
+        with pytest.raises(RuntimeError, match='the server refused 4 of 4 conversations .*HTTP 422.*top_k'):   # all refused: a failing exit
+            regenerate(TINY_TARGET, src, skip, server=srv.url, temperature=1.0, top_k=5, max_new_tokens=4, max_samples=4, on_refused='skip')
         listed = rows(skip.with_suffix('.refused.jsonl'))
         assert not lines_in(skip) and len(listed) == 4 and all('HTTP 422' in r['error'] for r in listed)
         regenerate(TINY_TARGET, src, skip, server=srv.url, max_new_tokens=4, max_samples=4, on_refused='skip')

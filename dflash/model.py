@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['GAMMA', 'DFlashConfig', 'drafter_config', 'DFlashAttention', 'DFlashDecoderLayer', 'DFlashDraftModel', 'pad_anchors',
            'sample_anchors', 'anchor_generator', 'block_mask', 'anchor_chunks', 'flex_block_mask', 'block_labels',
-           'slot_weights', 'DFlashOutput', 'HeadCE', 'frequent_labels', 'feature_scale_of', 'DraftCache']
+           'slot_weights', 'DFlashOutput', 'HeadCE', 'feature_scale_of', 'DraftCache']
 
 # %% ../nbs/model.ipynb #149b3545
 from dataclasses import dataclass
@@ -397,15 +397,6 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
                         anchors=anchors, labels=labels, hits=hits.bool(), logits=self.logits(h) if return_logits else None)
 
 DFlashDraftModel.forward = _forward
-
-# %% ../nbs/model.ipynb #08eb94ad
-def frequent_labels(input_ids, loss_mask, k):
-    "`(ids, coverage)`: the `k` most frequent tokens under `loss_mask` (flat arrays), sorted by id, and the share of the labels they are."
-    import numpy as np
-    lab = np.asarray(input_ids)[np.asarray(loss_mask).astype(bool)]
-    ids, counts = np.unique(lab, return_counts=True)
-    top = np.sort(ids[np.argsort(-counts, kind='stable')[:k]])
-    return torch.as_tensor(top, dtype=torch.long), float(counts[np.isin(ids, top)].sum() / max(1, counts.sum()))
 
 # %% ../nbs/model.ipynb #03a6dfd7
 def feature_scale_of(hidden_states, mask=None):

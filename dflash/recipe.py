@@ -4,15 +4,15 @@
 
 # %% auto #0
 __all__ = ['RECIPE', 'DEMO', 'SLIDING', 'FULL', 'TrainConfig', 'rank_device', 'data_token_ids', 'resolve_mask_token',
-           'layer_type_list', 'is_hybrid', 'resolve_layer_types', 'adopt_checkpoint', 'init_config', 'check_weights',
-           'resolve_init_from', 'drafter_for', 'load_init']
+           'label_counts', 'frequent_labels', 'layer_type_list', 'is_hybrid', 'resolve_layer_types', 'adopt_checkpoint',
+           'init_config', 'check_weights', 'resolve_init_from', 'drafter_for', 'load_init', 'make_optimizer']
 
 # %% ../nbs/recipe.ipynb #16cd1c0e
 from dataclasses import dataclass
 from pathlib import Path
 import torch
 import numpy as np
-from .core import TINY_TARGET, TRAIN_DATA, REGEN_DATA, HELDOUT_DATA, RUNS, Job, param, target_param, data_param, out_param
+from .core import TINY_TARGET, TRAIN_DATA, REGEN_DATA, HELDOUT_DATA, HELDOUT_REGEN, RUNS, Job, param, target_param, data_param, out_param
 from .data import TokenizedDataset
 from .shards import ExtractedDataset
 from .publish import mask_token_choice
@@ -32,11 +32,12 @@ RECIPE = dict(num_layers=5,            # configs/qwen3-8b-dflash.json "num_hidde
               max_length=3072,         # train_dflash.py --max-length 3072 (4096 in its 27B examples)
               epochs=6.0,              # train_dflash.py --num-epochs 6; every Qwen3/3.5/3.6 example
               token_budget=16384,      # ours: SpecForge runs 4 sequences of up to 3072 tokens per GPU per step
-              eval_prompts=16, eval_max_new_tokens=256)   # ours: a tau estimate during training, not the benchmark
+              eval_prompts=16, eval_max_new_tokens=256,    # ours: a tau estimate during training, not the benchmark
+              eval_every=500)          # ours: held-out acceptance (SpecForge's simulated_acc_len) every 500 steps
 # The embedded demo target: a 7M-parameter model on a laptop CPU, chosen for minutes, not days.
 # Its data is the target's own replies (REGEN_DATA); budget 1024 gives twice the steps of 2048 for the same tokens.
 DEMO = dict(num_layers=1, block_size=16, num_anchors=16, lr=3e-3, warmup=0.05, min_lr_ratio=0.1, weight_decay=0.01,
-            max_length=2048, epochs=2.0, token_budget=1024, eval_prompts=8, eval_max_new_tokens=64)
+            max_length=2048, epochs=2.0, token_budget=1024, eval_prompts=8, eval_max_new_tokens=64, eval_every=100, val_samples=64)
 
 @dataclass
 class TrainConfig(Job):
@@ -68,11 +69,22 @@ class TrainConfig(Job):
     min_lr_ratio: float | None = param(None, 'final lr / peak lr of the cosine; None: 0 (recipe), 0.1 (demo)', min=0, max=1)
     warmup: float | None = param(None, 'warmup: a fraction of the steps (< 1) or a number of steps; None: 0.04 (recipe), 0.05 (demo)', min=0)
     weight_decay: float | None = param(None, 'AdamW weight decay; None: 0 (recipe), 0.01 (demo)', min=0)
+    optimizer: str = param('adamw', "adamw, or muon: Muon for the layers' 2-D weights and fc (lr matched to AdamW's update size), AdamW for the rest",
+                           choices=('adamw', 'muon'))
+    train_vocab: int | None = param(None, "the loss scores only the K most frequent label tokens of the training data (and each batch's "
+                                    "labels); drafting uses the whole head. None or 0: the whole head", min=0)
+    precondition: bool = param(False, "read the taps with a fixed scale per feature (1 / its RMS on the first batch), folded into fc's weights when saved")
     clip: float = param(1.0, 'gradient norm clip (0: off)', min=0)
     q_depth: int = param(20, 'HS queue: unconsumed batches per target rank at most (offline: prefetch depth)', min=1)
     seed: int = param(0, 'seed of the data order, the anchors and the initialization')
     log_every: int = param(10, 'optimizer steps between metrics.jsonl lines', min=1)
-    eval_every: int = param(0, 'steps between tau evaluations (0: only at the end)', min=0)
+    val_data: str | None = param(None, "the target's own replies to held-out prompts (any file prepare reads): held-out acceptance every "
+                                 "eval_every steps and the best checkpoint; None: the embedded held-out replies (demo), none (a real target); 'none': off")
+    val_extracted: str | None = param(None, 'an extraction of the validation split, instead of val_data (checked against the target and taps)')
+    val_samples: int | None = param(None, 'validation conversations used; None: all (demo: 64)', min=1)
+    val_anchors: int | None = param(None, 'blocks per validation conversation; None: one at every loss position (and the loop\'s walk)', min=1)
+    eval_every: int | None = param(None, 'steps between held-out acceptance evaluations (0: only at the end); None: 500 (recipe), 100 (demo)', min=0)
+    tau_every: int = param(0, 'steps between lossless tau evaluations during training (slow; 0: only at the end)', min=0)
     eval_data: str | None = param(None, 'prompt files for tau, comma-separated; None: the embedded held-out split')
     eval_prompts: int | None = param(None, 'prompts per evaluation file; None: 16 (recipe), 8 (demo)', min=1)
     eval_max_new_tokens: int | None = param(None, 'tokens decoded per prompt; None: 256 (recipe), 64 (demo)', min=1)
@@ -100,6 +112,8 @@ class TrainConfig(Job):
     def world(self): return self.ranks if self.targets == 'auto' else (self.targets if self.online else 0) + self.drafters
     @property
     def demo(self): return Path(str(self.target)).resolve() == TINY_TARGET.resolve()
+    @property
+    def validates(self): return self.val_extracted is not None or self.val_data not in (None, 'none')
 
     def check(self):
         if isinstance(self.targets, str) and self.targets != 'auto': raise ValueError(f"targets={self.targets!r}: must be a number of ranks or 'auto'")
@@ -112,6 +126,12 @@ class TrainConfig(Job):
             if self.demo: self.set('data', str(REGEN_DATA), "demo: the embedded train split, replies regenerated by the target")
             else: self.set('data', str(TRAIN_DATA), 'the embedded train split')
         if self.eval_data is None: self.set('eval_data', str(HELDOUT_DATA), 'the embedded held-out split')
+        if self.val_data is None and self.val_extracted is None and self.demo:
+            self.set('val_data', str(HELDOUT_REGEN), "demo: the embedded held-out prompts, replies regenerated by the target")
+        if self.val_data is not None and self.val_data != 'none' and not Path(self.val_data).exists():
+            raise FileNotFoundError(f'val_data: no such file or directory: {self.val_data}')
+        if self.val_extracted is not None and not (Path(self.val_extracted) / 'manifest.json').exists():
+            raise FileNotFoundError(f'val_extracted: {self.val_extracted} is not an extraction (no manifest.json)')
         if self.out is None: self.set('out', str(RUNS / 'train'), 'default')
         if self.layer_types is not None: self.layer_types = ','.join(layer_type_list(self.layer_types))   # one spelling
         if self.init_from is not None: self.init_from = str(Path(self.init_from).resolve())
@@ -145,6 +165,30 @@ def resolve_mask_token(cfg):
     if np.isin(m, ids): raise ValueError(f'mask_token_id {m} ({why}) occurs in the training data: pass another mask_token_id')
     if cfg.mask_token_id is None: cfg.set('mask_token_id', m, why)
     return m
+
+# %% ../nbs/recipe.ipynb #003e48df
+def label_counts(cfg, vocab_size):
+    "How often each token id is a label (under the loss mask) in the run's training samples (the first `max_samples`): [vocab_size]."
+    counts = np.zeros(vocab_size, np.int64)
+    if cfg.online:
+        ds = TokenizedDataset.load(cfg.data); end = ds.offsets[min(cfg.max_samples or len(ds), len(ds))]
+        ids, lm = np.asarray(ds.input_ids[:end]), np.asarray(ds.loss_mask[:end]).astype(bool)
+        return counts + np.bincount(ids[lm], minlength=vocab_size)
+    xds = ExtractedDataset(cfg.extracted)
+    trained = xds.sample_ids[:min(cfg.max_samples or len(xds), len(xds))]   # the samples the run trains on (`_load_data`)
+    for j, s in enumerate(xds.manifest['shards']):
+        f = xds._file(j)
+        keep = np.repeat(np.isin(f.get_tensor('sample_ids').numpy(), trained), np.diff(f.get_tensor('cu_seqlens').numpy()))
+        keep &= f.get_tensor('loss_mask').numpy().astype(bool)
+        counts += np.bincount(f.get_tensor('input_ids').numpy()[keep], minlength=vocab_size)
+    return counts
+
+def frequent_labels(cfg, vocab_size):
+    "`(ids, coverage)`: the `cfg.train_vocab` most frequent labels (sorted ids) and the share of the labels they are; `(None, 1.0)` when off."
+    if not cfg.train_vocab: return None, 1.0
+    c = label_counts(cfg, vocab_size)
+    top = np.sort(np.argsort(-c, kind='stable')[:cfg.train_vocab])
+    return torch.as_tensor(top, dtype=torch.long), float(c[top].sum() / max(1, c.sum()))
 
 # %% ../nbs/recipe.ipynb #7e6646ae
 SLIDING, FULL = 'sliding_attention', 'full_attention'
@@ -244,3 +288,25 @@ def load_init(model, path):
         raise ValueError(f"init_from: {path}: missing {info['missing_keys'][:3]}, unexpected {info['unexpected_keys'][:3]}")
     model.load_state_dict(src.state_dict())
     return model
+
+# %% ../nbs/recipe.ipynb #fc49514f
+class _Several:
+    "Optimizers (or schedulers) used as one: `step`, `zero_grad`, `state_dict`, `load_state_dict`, `get_last_lr` of the first."
+    def __init__(self, parts): self.parts = parts
+    def step(self): [p.step() for p in self.parts]
+    def zero_grad(self, set_to_none=True): [p.zero_grad(set_to_none=set_to_none) for p in self.parts]
+    def state_dict(self): return [p.state_dict() for p in self.parts]
+    def load_state_dict(self, sd): [p.load_state_dict(s) for p, s in zip(self.parts, sd)]
+    def get_last_lr(self): return self.parts[0].get_last_lr()
+
+def make_optimizer(model, cfg, lr_lambda):
+    "`(optimizer, scheduler)` of `cfg.optimizer` for `model`'s parameters, the learning rate `cfg.lr * lr_lambda(step)`."
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    sched = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda)
+    if cfg.optimizer == 'adamw':
+        o = adamw(model.parameters()); return o, sched(o)
+    mats = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    two_d = [p for p in model.parameters() if id(p) in mats and p.ndim == 2]
+    rest = [p for p in model.parameters() if id(p) not in mats]
+    opts = [torch.optim.Muon(two_d, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn='match_rms_adamw'), adamw(rest)]
+    return _Several(opts), _Several([sched(o) for o in opts])

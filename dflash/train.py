@@ -21,12 +21,15 @@ from .taps import (capture, check_finite, pad_batch, text_config, default_layer_
 from .data import TokenizedDataset, prepared
 from .batching import Plan, sources, served
 from .shards import ExtractedDataset, OfflineSource, check_extraction
-from .model import DFlashDraftModel, anchor_generator
+from .extract import extract
+from .model import DFlashDraftModel, anchor_generator, feature_scale_of
 from .publish import save_drafter, model_card, mask_token_for
 from .evaluate import TauProbe, NgramDrafter, tau_table, load_prompts
 from .dist import Coord, HSSender, OnlineSource, launch, peer_lost, store_from_env
-from .metrics import Meter, follow, progress_line
-from .recipe import TrainConfig, rank_device, resolve_mask_token, resolve_layer_types, resolve_init_from, drafter_for, load_init, adopt_checkpoint
+from .validate import Validator
+from .metrics import Meter, follow, progress_line, val_line
+from .recipe import (TrainConfig, rank_device, resolve_mask_token, resolve_layer_types, resolve_init_from, drafter_for, load_init,
+                           adopt_checkpoint, make_optimizer, frequent_labels)
 from .balance import auto_split
 
 # %% ../nbs/train.ipynb #cf231419
@@ -109,7 +112,7 @@ def save_checkpoint(out, step, model, state, keep=2):
 SHAPE_KEYS = ('target', 'num_layers', 'layer_ids')      # the drafter's tensors change: no checkpoint of the old shape loads
 RESUME_KEYS = ('target', 'num_layers', 'block_size', 'layer_ids', 'mask_token_id', 'num_anchors', 'token_budget', 'max_batch_size',
                'max_samples', 'epochs', 'max_steps', 'grad_accum', 'lr', 'min_lr_ratio', 'warmup', 'weight_decay', 'clip', 'seed',
-               'layer_types', 'sliding_window', 'init_from')
+               'layer_types', 'sliding_window', 'init_from', 'optimizer', 'train_vocab', 'precondition')
 
 def _resume_changes(ck, st, cfg, data_sha256):
     "What differs between the run that wrote checkpoint `ck` and `cfg`: refused unless `cfg.resume_changes` names it."
@@ -126,9 +129,10 @@ def _resume_changes(ck, st, cfg, data_sha256):
                          + ', '.join(f'{k}={diff[k][1]!r}' for k in bad) + f". resume_changes='{','.join(bad)}' continues with the new values")
     return diff
 
+# %% ../nbs/train.ipynb #a59358a2
 class Trainer:
     "The training loop of drafter rank `d` (of `cfg.drafters`), fed by a source of micro-batches."
-    def __init__(self, cfg, coord, d, plan, device, group=None, io=None, mask_token_id=None, data_sha256=None):
+    def __init__(self, cfg, coord, d, plan, device, group=None, io=None, mask_token_id=None, data_sha256=None, vocab=None):
         self.cfg, self.coord, self.d, self.plan, self.device, self.group = cfg, coord, d, plan, device, group
         self.data_sha256, self.changed = data_sha256, {}
         self.main, self.out = d == 0, Path(cfg.out)
@@ -137,9 +141,11 @@ class Trainer:
         self.model = DFlashDraftModel(drafter_for(cfg, mask_token_id)).to(device)
         emb, head = io or load_target_io(cfg.target, torch.bfloat16 if device.type == 'cuda' else torch.float32, device)
         self.model.attach_target(embed_tokens=emb, lm_head=head)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, plan.total_steps, cfg.warmup, cfg.min_lr_ratio))
-        self.step, self.tokens, self.skipped, self.resumed_from = 0, 0, 0, None
+        if vocab is None and cfg.train_vocab: vocab = frequent_labels(cfg, head.weight.shape[0])[0]
+        self.vocab = None if vocab is None else vocab.to(device)
+        self.opt, self.sched = make_optimizer(self.model, cfg, lambda s: lr_factor(s, plan.total_steps, cfg.warmup, cfg.min_lr_ratio))
+        self.step, self.tokens, self.skipped, self.resumed_from, self.scaled = 0, 0, 0, None, not cfg.precondition
+        if cfg.precondition: self.model.feature_scale = torch.ones(self.model.fc.in_features, device=device)   # measured on the first batch
         if cfg.resume and (ck := latest_checkpoint(cfg.out)) is not None: self._load(ck)
         elif cfg.init_from: load_init(self.model, cfg.init_from)
         if cfg.compile: self.model.compile(dynamic=True)     # in place: parameter names, hence checkpoints, unchanged
@@ -156,15 +162,18 @@ class Trainer:
         self.changed = _resume_changes(ck, st, self.cfg, self.data_sha256)
         try: self.model.load_state_dict(load_file(ck / 'model.safetensors', device=str(self.device)))
         except RuntimeError as e: raise ValueError(f'{ck}: its drafter does not fit this config: {str(e).splitlines()[0]}') from None
+        if 'feature_scale' in st and self.model.feature_scale is not None:   # the file holds fc folded; training goes on unfolded
+            self.model.feature_scale.copy_(st['feature_scale']); self.model.fc.weight.data.copy_(st['fc_weight']); self.scaled = True
         self.opt.load_state_dict(st['optimizer']); self.sched.load_state_dict(st['scheduler'])
         self.step, self.tokens = st['step'], st['tokens']
         torch.set_rng_state(st['rng'])
         self.resumed_from = str(ck)
 
     def state(self):
+        fs = self.model.feature_scale if self.scaled else None
         return dict(optimizer=self.opt.state_dict(), scheduler=self.sched.state_dict(), step=self.step, tokens=self.tokens,
                     micro=self.step * self.cfg.grad_accum, drafters=self.cfg.drafters, rng=torch.get_rng_state(), config=self.cfg.to_dict(),
-                    data_sha256=self.data_sha256)
+                    data_sha256=self.data_sha256, **({} if fs is None else dict(feature_scale=fs, fc_weight=self.model.fc.weight.detach())))
 
     def save(self):
         "Drafter 0 writes the checkpoint; the other drafters wait for it."
@@ -178,30 +187,42 @@ class Trainer:
         y = x.to(self.device); dist.all_reduce(y, group=self.group)
         return y
 
-    def micro_step(self, item, last):
-        "Forward and backward of one micro-batch; gradients are synchronized on the last of a step."
-        net = self.ddp or self.model
-        with (self.ddp.no_sync() if self.ddp is not None and not last else nullcontext()), self.autocast:
-            o = net(item['hidden_states'], item['input_ids'], item['loss_mask'], num_anchors=self.cfg.num_anchors,
-                    generator=anchor_generator(self.cfg.seed, self.d, item['p']))
-        (o.loss / self.cfg.grad_accum).backward()
-        return o
+# %% ../nbs/train.ipynb #1d1c5625
+def _precondition(self, item):
+    "The feature scale, measured on the first micro-batch's real rows (summed over the drafter ranks): once per run."
+    hs = item['hidden_states']
+    sumsq, n = feature_scale_of(hs, hs.abs().sum(-1) > 0)            # padding rows are all zero
+    v = self.all_sum(torch.cat([sumsq.double(), n.double()[None]]))
+    self.model.set_feature_scale(v[:-1].float(), v[-1].float(), keep_function=bool(self.cfg.init_from) or self.step > 0)
+    self.scaled = True
 
-    def optimizer_step(self, samples):
-        "Clip and step, unless the loss or the gradient is not finite: then skip it, log it, and stop after 3 in a row."
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip or float('inf'))
-        ok = torch.isfinite(norm).item()
-        if ok: self.opt.step(); self.skipped = 0
-        else:
-            self.skipped += 1
-            if self.main: append_jsonl(self.out / 'metrics.jsonl', dict(event='nonfinite', step=self.step, samples=samples, time=time.time()))
-            if self.skipped >= 3: raise FloatingPointError(f'drafter {self.d}: the gradient was not finite {self.skipped} steps in a row '
-                                                         f'(last samples {samples[:8]}); the drafter is not saved')
-        with warnings.catch_warnings():                  # a skipped first step steps the schedule before the optimizer: intended
-            warnings.simplefilter('ignore'); self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.step += 1                                   # a skipped step still used its data
-        return ok
+def _micro_step(self, item, last):
+    "Forward and backward of one micro-batch; gradients are synchronized on the last of a step."
+    if not self.scaled: self._precondition(item)
+    net = self.ddp or self.model
+    with (self.ddp.no_sync() if self.ddp is not None and not last else nullcontext()), self.autocast:
+        o = net(item['hidden_states'], item['input_ids'], item['loss_mask'], num_anchors=self.cfg.num_anchors,
+                generator=anchor_generator(self.cfg.seed, self.d, item['p']), vocab=self.vocab)
+    (o.loss / self.cfg.grad_accum).backward()
+    return o
+
+def _optimizer_step(self, samples):
+    "Clip and step, unless the loss or the gradient is not finite: then skip it, log it, and stop after 3 in a row."
+    norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip or float('inf'))
+    ok = torch.isfinite(norm).item()
+    if ok: self.opt.step(); self.skipped = 0
+    else:
+        self.skipped += 1
+        if self.main: append_jsonl(self.out / 'metrics.jsonl', dict(event='nonfinite', step=self.step, samples=samples, time=time.time()))
+        if self.skipped >= 3: raise FloatingPointError(f'drafter {self.d}: the gradient was not finite {self.skipped} steps in a row '
+                                                     f'(last samples {samples[:8]}); the drafter is not saved')
+    with warnings.catch_warnings():                  # a skipped first step steps the schedule before the optimizer: intended
+        warnings.simplefilter('ignore'); self.sched.step()
+    self.opt.zero_grad(set_to_none=True)
+    self.step += 1                                   # a skipped step still used its data
+    return ok
+
+Trainer._precondition, Trainer.micro_step, Trainer.optimizer_step = _precondition, _micro_step, _optimizer_step
 
 # %% ../nbs/train.ipynb #c0d99e39
 def _log(self, meter, source, tstat_last):
@@ -227,7 +248,20 @@ def _log(self, meter, source, tstat_last):
         print(progress_line(m, self.plan.total_steps), flush=True)
     meter.reset(source.wait_s)
 
-def _run(self, source, stop_flag=lambda: False, evaluate_tau=None):
+def _evaluations(self, meter, validate=None, evaluate_tau=None):
+    """Held-out acceptance every `eval_every` steps and at the last step (`validate`), the lossless tau every `tau_every`
+    steps before the last (`evaluate_tau`; the last one is `_publish`'s), on drafter 0 while the others wait."""
+    cfg, s, total = self.cfg, self.step, self.plan.total_steps
+    val = cfg.val_extracted is not None and ((cfg.eval_every and s % cfg.eval_every == 0) or s == total)
+    tau = bool(cfg.tau_every) and s % cfg.tau_every == 0 and s < total
+    if not (val or tau): return
+    t0 = time.perf_counter()
+    if self.main and val and validate: validate(self)
+    if self.main and tau and evaluate_tau: evaluate_tau(self)
+    if cfg.drafters > 1: self.coord.barrier(f'eval-{s}', range(cfg.drafters))
+    meter.t0 += time.perf_counter() - t0                     # the evaluation is not training time
+
+def _run(self, source, stop_flag=lambda: False, evaluate_tau=None, validate=None):
     "Train until the plan's last step or a stop; returns None, or why it stopped."
     cfg, total = self.cfg, self.plan.total_steps
     self.model.train()
@@ -247,14 +281,11 @@ def _run(self, source, stop_flag=lambda: False, evaluate_tau=None):
         flag = torch.tensor([float(stop_flag() or self.coord.stopping())])  # every rank agrees on stopping
         if self.all_sum(flag).item() > 0: stopped = 'signal'
         if self.step % cfg.log_every == 0 or self.step == total or stopped: self._log(meter, source, tstat_last)
-        if evaluate_tau and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < total and not stopped:
-            if self.main: evaluate_tau(self)
-            if cfg.drafters > 1: self.coord.barrier(f'eval-{self.step}', range(cfg.drafters))
-            meter.t0 = time.perf_counter()                       # the evaluation is not training time
+        if not stopped: self._evaluations(meter, validate, evaluate_tau)
         if stopped or (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or self.step == total: self.save()
         if stopped: return stopped
 
-Trainer._log, Trainer.run = _log, _run
+Trainer._log, Trainer._evaluations, Trainer.run = _log, _evaluations, _run
 
 # %% ../nbs/train.ipynb #a2995af5
 def _backend(cfg, device):
@@ -321,6 +352,11 @@ def run_drafter(cfg, coord, d, plan, ds, device, group, pg, stop):
     def tau(trainer):
         t0 = time.time(); t, _ = probe(trainer.model)
         append_jsonl(trainer.out / 'metrics.jsonl', dict(step=trainer.step, tau=t, eval_s=time.time() - t0, time=time.time()))
+    validator = (Validator(cfg.val_extracted, cfg.out, cfg.token_budget, cfg.val_anchors, cfg.val_samples, cfg.eval_max_new_tokens, cfg.seed)
+                 if d == 0 and cfg.val_extracted else None)
+    def validate(trainer):
+        rec = validator(trainer.model, trainer.step)
+        append_jsonl(trainer.out / 'metrics.jsonl', rec); print(val_line(rec), flush=True)
     if d == 0:
         coord.set('start_micro', start)
         write_json_atomic(Path(cfg.out) / 'run.json', dict(config=cfg.to_dict(), total_steps=plan.total_steps, start_step=trainer.step,
@@ -328,24 +364,37 @@ def run_drafter(cfg, coord, d, plan, ds, device, group, pg, stop):
     if cfg.online: coord.barrier('start', range(cfg.world))   # targets read start_micro after this
     src = (OnlineSource(coord, pg, d, cfg.targets, cfg.drafters, start, plan.total_micro, device) if cfg.online
            else OfflineSource(ds, plan, d, start, plan.total_micro, device, depth=cfg.q_depth))
-    stopped = trainer.run(src, stop.is_set, tau if probe else None)
+    stopped = trainer.run(src, stop.is_set, tau if probe else None, validate if validator else None)
     res = dict(step=trainer.step, total_steps=plan.total_steps, stopped=stopped, out=cfg.out)
     if stopped: coord.request_stop(stopped)
-    if d == 0 and not stopped: res.update(_publish(cfg, trainer, probe, device))
+    if d == 0 and not stopped: res.update(_publish(cfg, trainer, probe, device, validator))
     if d == 0: write_json_atomic(Path(cfg.out) / 'result.json', res)
     return res
 
-def _publish(cfg, trainer, probe, device):
-    "Save the final drafter (bf16 for a real target), measure tau beside the n-gram baseline, write its model card."
-    path = save_drafter(trainer.model, Path(cfg.out) / 'drafter', None if cfg.demo else torch.bfloat16)
+def _chosen(cfg, trainer, validator, device):
+    "`(drafter to publish, what the card says of it)`: the best by held-out acceptance (a plain drafter from its copy), else the last step's."
+    if validator is None or validator.best is None: return trainer.model, ''
+    b, last = validator.best, trainer.step
+    model = DFlashDraftModel.from_pretrained(validator.dir).to(device)
+    model.attach_target(embed_tokens=trainer.model._io()[0], lm_head=trainer.model._io()[1])
+    return model, (f" Published: the step-{b['step']} drafter, the best of the run by held-out acceptance (simulated tau {b['val_tau']:.3f} "
+                   f"+- {b['val_tau_se']:.3f} on {b['val_sequences']} held-out conversations of the target's own replies"
+                   + (f', {b["val_tau_walk"]:.3f} along the lossless loop\'s path' if b.get('val_tau_walk') else '') + f'; the run ended at step {last}).')
+
+def _publish(cfg, trainer, probe, device, validator=None):
+    "Save the published drafter (bf16 for a real target), measure tau beside the n-gram baseline, write its model card."
+    trainer.opt = None; torch.cuda.empty_cache() if device.type == 'cuda' else None   # room for the evaluation target
+    model, chosen = _chosen(cfg, trainer, validator, device)
+    path = save_drafter(model, Path(cfg.out) / 'drafter', None if cfg.demo else torch.bfloat16)
     res, taus, measured = dict(drafter=str(path)), {}, ''
+    if validator is not None and validator.best:
+        res.update(best_step=validator.best['step'], val_tau=validator.best['val_tau'], val_tau_se=validator.best['val_tau_se'])
     if cfg.final_eval:
-        trainer.opt = None; torch.cuda.empty_cache() if device.type == 'cuda' else None   # room for the evaluation target
-        t0 = time.time(); (t, r), (tn, rn) = probe(trainer.model), probe(NgramDrafter())
+        t0 = time.time(); (t, r), (tn, rn) = probe(model), probe(NgramDrafter())
         lossless = all(x['lossless'] for x in [*r.values(), *rn.values()])
         res.update(tau=t, tau_ngram=tn, lossless=lossless, tau_by_file={f: x['tau'] for f, x in r.items()})
-        append_jsonl(Path(cfg.out) / 'metrics.jsonl', dict(step=trainer.step, tau=t, tau_ngram=tn, lossless=lossless, eval_s=time.time() - t0,
-                                                           time=time.time()))
+        append_jsonl(Path(cfg.out) / 'metrics.jsonl', dict(step=res.get('best_step', trainer.step), tau=t, tau_ngram=tn, lossless=lossless,
+                                                           eval_s=time.time() - t0, time=time.time(), final=True))
         table = tau_table({f: {'dflash': r[f], 'ngram': rn[f]} for f in r})
         print(table, flush=True)
         taus = {'DFlash drafter': t, 'n-gram prompt lookup (same loop)': tn}
@@ -354,13 +403,27 @@ def _publish(cfg, trainer, probe, device):
                     f"PATH --eval-data {cfg.eval_data} --num-prompts {cfg.eval_prompts} --max-new-tokens {cfg.eval_max_new_tokens}`.\n\n```\n{table}\n```")
     data = f'the extraction `{cfg.extracted}` (offline)' if not cfg.online else f'`{cfg.data}` (online, {cfg.targets} target ranks)'
     start = f'Fine-tuned from the drafter `{cfg.init_from}`: ' if cfg.init_from else 'From random weights: '
+    levers = ', '.join(filter(None, [cfg.optimizer if cfg.optimizer != 'adamw' else 'AdamW', cfg.train_vocab and f'a training vocabulary of {cfg.train_vocab} tokens',
+                                     cfg.precondition and 'preconditioned taps']))
     model_card(path, start + f'{trainer.step} optimizer steps, {trainer.tokens} tokens, on {data}, with dflash: {cfg.drafters} drafter ranks, '
-                     f'lr {cfg.lr}, {cfg.num_anchors} anchors per sequence, token budget {cfg.token_budget}, seed {cfg.seed}.', taus, measured)
+                     f'lr {cfg.lr}, {cfg.num_anchors} anchors per sequence, token budget {cfg.token_budget}, seed {cfg.seed}, {levers}.' + chosen,
+               taus, measured)
     return res
 
 # %% ../nbs/train.ipynb #4f921c9f
-RUN_FILES = ('metrics.jsonl', 'checkpoints', 'drafter', 'result.json', 'run.json', 'logs', 'loss.png', 'accuracy.png', 'throughput.png',
+RUN_FILES = ('metrics.jsonl', 'checkpoints', 'drafter', 'result.json', 'run.json', 'logs', 'val', 'loss.png', 'accuracy.png', 'throughput.png',
              'queue.png', 'dashboard.png')
+
+def _validation(cfg, out):
+    "The validation split as an extraction of the run's taps: `val_extracted` as given (checked), or `val_data` extracted into `out/val` once."
+    if cfg.val_extracted is None and cfg.validates:
+        print(f'held-out acceptance: extracting the validation split {cfg.val_data} into {out / "val"}', flush=True)
+        extract(target=cfg.target, data=cfg.val_data, out=str(out / 'val'), layer_ids=cfg.layer_ids, max_samples=cfg.val_samples,
+                max_length=cfg.max_length, dtype=cfg.dtype, gpus=torch.cuda.device_count(), progress=cfg.progress)
+        cfg.set('val_extracted', str(out / 'val'), f'val_data, extracted into {out / "val"}')
+    if cfg.val_extracted is not None:
+        cfg.val_extracted = str(Path(cfg.val_extracted).resolve())
+        check_extraction(ExtractedDataset(cfg.val_extracted, require_complete=True), cfg.target, cfg.layer_ids)
 
 def prepare_job(cfg):
     """Check everything, then resolve paths and layers, tokenize a ShareGPT file once (online), and set an earlier run
@@ -376,7 +439,7 @@ def prepare_job(cfg):
     if cfg.layer_ids is None and not cfg.online: cfg.set('layer_ids', ExtractedDataset(cfg.extracted).layer_ids, "the extraction's")
     if cfg.layer_ids is None: cfg.set('layer_ids', default_layer_ids(L, cfg.num_layers), f'the DFlash rule for {cfg.num_layers} drafter layers')
     check_layer_ids(cfg.layer_ids, L)
-    if cfg.final_eval or cfg.eval_every:                             # every eval file read before anything trains
+    if cfg.final_eval or cfg.tau_every:                              # every eval file read before anything trains
         tok = load_tokenizer(cfg.target)
         for f in cfg.eval_data.split(','): f.strip() and load_prompts(tok, f.strip(), cfg.eval_prompts)
     if cfg.resume and (ck := latest_checkpoint(out)) is not None:     # refuse changed settings before anything is written
@@ -389,7 +452,12 @@ def prepare_job(cfg):
     if not len(TokenizedDataset.load(cfg.data) if cfg.online else ExtractedDataset(cfg.extracted)):
         raise ValueError(f'{"data: " + cfg.data if cfg.online else "extracted: " + cfg.extracted} holds no samples: nothing to train on')
     if earlier and not cfg.resume: print(f'the earlier run in {out} is now in {set_aside(out, RUN_FILES)}')
+    _validation(cfg, out)
     resolve_mask_token(cfg)
+    if cfg.train_vocab:
+        V = text_config(tcfg).vocab_size
+        print(f'train_vocab: the {cfg.train_vocab} most frequent labels of the training data cover {frequent_labels(cfg, V)[1]:.2%} of them; the loss '
+              f'scores those and each batch\'s own labels, drafting the whole head of {V}', flush=True)
     if cfg.targets == 'auto': auto_split(cfg)
     cfg.save(out / 'config.json')
     return cfg

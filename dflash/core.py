@@ -46,8 +46,10 @@ def read_jsonl(path):
     return recs
 
 def append_jsonl(path, rec):
-    "Append `rec` as one line of JSON to `path`."
-    with open(path, 'a') as f: f.write(json.dumps(rec, default=str) + '\n')
+    "Append `rec` as one line of JSON to `path` (an error names the file: a full disk's says which)."
+    try:
+        with open(path, 'a') as f: f.write(json.dumps(rec, default=str) + '\n')
+    except OSError as e: raise OSError(e.errno, f'{e.strerror or e} writing {path}') from None
 
 def read_metrics(out):
     "The records of `out/metrics.jsonl`: periodic metrics and events of an extraction or a training run."

@@ -241,10 +241,17 @@ def _checkpoint_settings(c):
                 layer_types=','.join(c.layer_types), sliding_window=c.sliding_window if SLIDING in c.layer_types else None)
 
 def check_weights(c, path):
-    "The tensors of `path/model.safetensors` are those of a drafter of config `c`, by name and shape (header only)."
+    """The tensors of `path/model.safetensors` are those of a drafter of config `c`, by name and shape, and every one of them is
+    readable and finite (a NaN or inf tensor, or a truncated file, is refused, naming it)."""
     from safetensors import safe_open
+    f = Path(path) / 'model.safetensors'
     with torch.device('meta'): want = {k: tuple(v.shape) for k, v in DFlashDraftModel(c).state_dict().items()}
-    with safe_open(Path(path) / 'model.safetensors', 'pt') as f: have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    try:
+        with safe_open(f, 'pt') as fh:
+            have = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+            bad = [k for k in fh.keys() if not torch.isfinite(fh.get_tensor(k).float()).all()]
+    except Exception as e: raise ValueError(f'init_from: {f} is unreadable (truncated or corrupt?): {type(e).__name__}: {e}') from None
+    if bad: raise ValueError(f'init_from: {f} holds non-finite weights (NaN or inf) in {", ".join(bad[:3])}' + (f' and {len(bad) - 3} more' if len(bad) > 3 else ''))
     bad = [f'{k}: {have.get(k, "missing")} in the file, {want.get(k, "none")} in its config' for k in sorted(want.keys() | have.keys())
            if have.get(k) != want.get(k)]
     if bad: raise ValueError(f'init_from: {path}/model.safetensors does not match its config.json: ' + '; '.join(bad[:3]))

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from .core import Job, run_cli, write_json_atomic, append_jsonl, claim_out, set_aside
+from .core import Job, run_cli, write_json_atomic, append_jsonl, read_jsonl, claim_out, set_aside
 from .taps import (capture, check_finite, pad_batch, text_config, default_layer_ids, check_layer_ids, peak_mem_bytes, load_target, load_target_io,
                          load_target_config, target_name, load_tokenizer)
 from .data import TokenizedDataset, prepared
@@ -98,8 +98,10 @@ def save_checkpoint(out, step, model, state, keep=2):
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if not disk_full(e): raise
+        kept = latest_checkpoint(out)
         raise OSError(errno.ENOSPC, f'the disk is full (or the file size limit was hit) writing {f}: {str(e).splitlines()[0][:200]}. '
-                                    f'The last complete checkpoint in {root} is kept: free space, then resume') from None
+                                    + (f'The last complete checkpoint, {kept}, is kept: free space, then resume' if kept else
+                                       f'No checkpoint of this run is complete yet ({root} holds none): free space, then start again')) from None
     if final.exists(): os.replace(final, old)                 # the same step saved again (a stop right after a save)
     os.replace(tmp, final)
     write_json_atomic(final / 'COMPLETE', dict(step=step, time=time.time(), config=state.get('config'), data_sha256=state.get('data_sha256')))
@@ -214,8 +216,9 @@ def _optimizer_step(self, samples):
     else:
         self.skipped += 1
         if self.main: append_jsonl(self.out / 'metrics.jsonl', dict(event='nonfinite', step=self.step, samples=samples, time=time.time()))
-        if self.skipped >= 3: raise FloatingPointError(f'drafter {self.d}: the gradient was not finite {self.skipped} steps in a row '
-                                                     f'(last samples {samples[:8]}); the drafter is not saved')
+        if self.skipped >= 3: raise FloatingPointError(f'drafter {self.d}: the loss or the gradient was not finite {self.skipped} steps in a row, '
+                                                     f'steps {self.step - 1} to {self.step + 1} (last samples {samples[:8]}); the run stops and '
+                                                     'saves no drafter (the last complete checkpoint, if any, is kept)')
     with warnings.catch_warnings():                  # a skipped first step steps the schedule before the optimizer: intended
         warnings.simplefilter('ignore'); self.sched.step()
     self.opt.zero_grad(set_to_none=True)
@@ -248,6 +251,16 @@ def _log(self, meter, source, tstat_last):
         print(progress_line(m, self.plan.total_steps), flush=True)
     meter.reset(source.wait_s)
 
+def _drop_after(path, step):
+    "Move the records of `path` (metrics.jsonl) about steps after `step` into `metrics.after-{step}.jsonl` beside it; returns how many."
+    recs = read_jsonl(path)
+    later = [m for m in recs if 'event' not in m and m.get('step', 0) > step]
+    if later:
+        keep = [m for m in recs if not ('event' not in m and m.get('step', 0) > step)]
+        with open(path.with_name(f'metrics.after-{step}.jsonl'), 'a') as f: f.writelines(json.dumps(m) + '\n' for m in later)
+        tmp = path.with_name(path.name + '.tmp'); tmp.write_text(''.join(json.dumps(m) + '\n' for m in keep)); os.replace(tmp, path)
+    return len(later)
+
 def _evaluations(self, meter, validate=None, evaluate_tau=None):
     """Held-out acceptance every `eval_every` steps and at the last step (`validate`), the lossless tau every `tau_every`
     steps before the last (`evaluate_tau`; the last one is `_publish`'s), on drafter 0 while the others wait."""
@@ -266,8 +279,11 @@ def _run(self, source, stop_flag=lambda: False, evaluate_tau=None, validate=None
     cfg, total = self.cfg, self.plan.total_steps
     self.model.train()
     if self.main and self.resumed_from:
+        n = _drop_after(self.out / 'metrics.jsonl', self.step)
         append_jsonl(self.out / 'metrics.jsonl', dict(event='resume', step=self.step, checkpoint=self.resumed_from,
-                                                     changed={k: list(v) for k, v in self.changed.items()}, time=time.time()))
+                                                     changed={k: list(v) for k, v in self.changed.items()}, dropped=n, time=time.time()))
+        print(f'resumed from {self.resumed_from} at step {self.step}' + (f'; {n} metrics lines of the steps after it, which this run '
+              f'measures again, moved to metrics.after-{self.step}.jsonl' if n else ''), flush=True)
     meter, tstat_last, stopped = Meter(cfg.block_size, self.device), {}, None
     meter.reset(source.wait_s)
     while self.step < total:
@@ -385,6 +401,8 @@ def _publish(cfg, trainer, probe, device, validator=None):
     "Save the published drafter (bf16 for a real target), measure tau beside the n-gram baseline, write its model card."
     trainer.opt = None; torch.cuda.empty_cache() if device.type == 'cuda' else None   # room for the evaluation target
     model, chosen = _chosen(cfg, trainer, validator, device)
+    if bad := [k for k, v in model.served_state_dict().items() if not torch.isfinite(v).all()]:
+        raise FloatingPointError(f'the drafter to publish has non-finite weights ({", ".join(bad[:3])}): nothing is saved in {cfg.out}/drafter')
     path = save_drafter(model, Path(cfg.out) / 'drafter', None if cfg.demo else torch.bfloat16)
     res, taus, measured = dict(drafter=str(path)), {}, ''
     if validator is not None and validator.best:
@@ -442,6 +460,11 @@ def prepare_job(cfg):
     if cfg.final_eval or cfg.tau_every:                              # every eval file read before anything trains
         tok = load_tokenizer(cfg.target)
         for f in cfg.eval_data.split(','): f.strip() and load_prompts(tok, f.strip(), cfg.eval_prompts)
+    if cfg.resume and not any((out / n).exists() for n in ('run.json', 'metrics.jsonl', 'checkpoints')):
+        raise FileNotFoundError(f'resume: {out} holds no run to resume (no run.json, metrics.jsonl or checkpoints/): check out, or drop resume '
+                                'to start a new run there')
+    if cfg.resume and latest_checkpoint(out) is None:
+        print(f'resume: {out} holds a run but no complete checkpoint yet: it starts again from step 0', flush=True)
     if cfg.resume and (ck := latest_checkpoint(out)) is not None:     # refuse changed settings before anything is written
         st = json.loads((ck / 'COMPLETE').read_text()); old = st.get('config', {})
         adopt_checkpoint(cfg, old); _resume_changes(ck, st, cfg, None)

@@ -1,0 +1,53 @@
+"""Held-out acceptance against the lossless loop: on the target's own greedy replies, the loop's path through the per-position
+counts of one forward (`val_tau_walk`) is the loop's tau, exactly; and a training run publishes its best drafter."""
+import json
+from pathlib import Path
+import pytest, torch
+from dflash.core import TINY_TARGET, HELDOUT_REGEN, read_metrics
+from dflash.extract import extract
+from dflash.shards import ExtractedDataset
+from dflash.taps import load_target, load_tokenizer
+from dflash.evaluate import evaluate, greedy_reference, load_drafter, load_prompts
+from dflash.validate import heldout_acceptance
+from dflash.train import train
+
+
+@pytest.fixture(scope='module')
+def memorized(tmp_path_factory):
+    "A 1-layer drafter trained offline on 12 of the embedded target's held-out replies (so that it accepts a lot), and their taps."
+    d = tmp_path_factory.mktemp('validate')
+    (d / 'few.jsonl').write_text(''.join(open(HELDOUT_REGEN).readlines()[:12]))
+    x = extract(data=str(d / 'few.jsonl'), out=str(d / 'x'), layer_ids=[4], progress=False)
+    res = train(extracted=x['out'], out=str(d / 'run'), drafters=1, num_layers=1, num_anchors=32, token_budget=512, lr=3e-3, max_steps=120,
+                warmup=5, val_extracted=x['out'], eval_every=40, final_eval=False, progress=False, log_every=20)
+    return d, res
+
+
+def test_the_walk_is_the_lossless_loops_tau(memorized):
+    d, _ = memorized
+    target, tok = load_target(str(TINY_TARGET)), load_tokenizer(str(TINY_TARGET))
+    drafter = load_drafter(d / 'run/drafter', target)
+    prompts = load_prompts(tok, d / 'few.jsonl', 12)
+    ref = greedy_reference(target, prompts, 64)
+    rows, xds = [json.loads(l) for l in open(d / 'few.jsonl')], ExtractedDataset(d / 'x')
+    replies = [xds.get(i)['input_ids'][xds.get(i)['loss_mask']].tolist() for i in range(12)]
+    same = [i for i in range(12) if ref['outputs'][i][:64] == replies[i][:64]]     # the stored reply is this very greedy decode
+    assert len(same) >= 9, same
+    e = evaluate(target, drafter, [prompts[i] for i in same], 64, reference=dict(ref, outputs=[ref['outputs'][i] for i in same],
+                                                                                time_s=[ref['time_s'][i] for i in same]))
+    sub = d / 'same.jsonl'; sub.write_text(''.join(json.dumps(rows[i]) + '\n' for i in same))
+    xs = extract(data=str(sub), out=str(d / f'xs'), layer_ids=[4], progress=False)
+    h = heldout_acceptance(drafter, ExtractedDataset(xs['out']), max_new_tokens=64)
+    assert e['lossless'] and e['tau'] > 3, e['tau']
+    assert abs(h['val_tau_walk'] - e['tau']) < 1e-9, (h['val_tau_walk'], e['tau'])
+    assert abs(h['val_tau'] - e['tau']) < 0.25 * e['tau']                  # every position: close, not the same figure
+
+
+def test_a_run_publishes_its_best_drafter(memorized):
+    d, res = memorized
+    vals = [m for m in read_metrics(d / 'run') if 'val_tau' in m]
+    best = max(vals, key=lambda m: m['val_tau'])
+    assert [m['step'] for m in vals] == [40, 80, 120] and res['best_step'] == best['step'] and res['val_tau'] == best['val_tau']
+    a = load_drafter(d / 'run/drafter', load_target(str(TINY_TARGET)))
+    assert heldout_acceptance(a, ExtractedDataset(d / 'x'))['val_tau'] == pytest.approx(best['val_tau'], abs=1e-6)
+    assert f"the step-{best['step']} drafter, the best of the run" in (d / 'run/drafter/README.md').read_text()

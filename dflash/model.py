@@ -411,13 +411,14 @@ class HeadCE(torch.autograd.Function):
 def _head_ce(drafter, h, labels, chunk=4096, vocab=None, topk=0):
     """`(CE per row, hits, top)` of rows `h` through the target's head: `HeadCE` when training, plain chunks otherwise. With `vocab`
     (token ids), only the head's rows of `vocab` and of the labels are scored: every label is always a candidate. `top`: with `topk`,
-    each row's `topk` largest logits and their token ids (no gradient), else None."""
+    each row's `topk` largest logits (at most all the rows scored) and their token ids (no gradient), else None."""
     head, (mult, cap) = drafter._io()[1], drafter.logit_transform
     W, b, ids = head.weight.detach(), getattr(head, 'bias', None), None
     b = None if b is None else b.detach()
     if vocab is not None:
         ids = torch.unique(torch.cat([vocab.to(labels.device), labels]))        # sorted
         W, b, labels = W[ids], None if b is None else b[ids], torch.searchsorted(ids, labels)
+    topk = min(topk, len(W))
     if torch.is_grad_enabled(): ce, hits, *top = HeadCE.apply(h, W, b, labels, None, chunk, mult, cap, topk)
     else:
         parts = [_rows(h[i:i + chunk], labels[i:i + chunk], W, b, mult, cap, topk)[2:] for i in range(0, len(labels), chunk)]

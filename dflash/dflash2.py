@@ -18,6 +18,7 @@ DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, select
 
 def _check(c):
     "Refuse DFlash2 settings that cannot build, naming them."
+    if missing := [n for n in DFLASH2 if _value(c, n) is None]: raise ValueError(f'the config has no {", ".join(missing)}: not a DFlash2 config')
     k, g, r, top = (int(_value(c, n)) for n in DFLASH2)
     if k < 1 or r < 1 or not 1 <= top <= c.vocab_size: raise ValueError(f'conv_kernel_size {k}, selector_rank {r}, selector_top_k {top}: need k >= 1, rank >= 1, 1 <= top_k <= vocab {c.vocab_size}')
     if g < 1 or c.hidden_size % g: raise ValueError(f'conv_group_size {g} does not divide hidden_size {c.hidden_size}')
@@ -117,8 +118,8 @@ class DFlash2DraftModel(DFlashDraftModel):
     _architecture, layer_class = 'DFlash2DraftModel', DFlash2DecoderLayer
 
     def __init__(self, config):
-        _check(config)
-        super().__init__(config)
+        if self._architecture in (config.architectures or [self._architecture]): _check(config)
+        super().__init__(config)                                  # refuses other architectures
         self.candidate_selector = CandidateSelector(config)
         self.post_init()
 

@@ -464,7 +464,7 @@ def tau_table(results):
     greedy = [(f, n, r) for f, res in results.items() for n, r in res.items() if r['lossless'] is not None]
     bad = [(f, n, p['prompt']) for f, n, r in greedy for p in r['per_prompt'] if not p['lossless']]
     n = sum(len(r['per_prompt']) for _, _, r in greedy)
-    rows.append(f'Lossless: every one of the {n} greedy speculative outputs equals the target\'s own greedy output, token for token.' if not bad else
+    rows.append(f'Lossless: every one of the {n} speculative outputs equals the target\'s own greedy output, token for token.' if not bad else
                 f'NOT lossless: {len(bad)} of {n} outputs differ from the target\'s greedy output (first: {bad[0][0]} prompt {bad[0][2]}, {bad[0][1]}).')
     if temps := sorted({r['temperature'] for res in results.values() for r in res.values() if r['lossless'] is None}):
         rows.append(f"Sampled rows (T = {', '.join(f'{t:g}' for t in temps)}): each token is drawn as the target's own sampling draws it "

@@ -365,7 +365,7 @@ def evaluate(target, drafter, prompts, max_new_tokens=64, block_size=None, eos_t
 # %% ../nbs/evaluate.ipynb #ea308d83
 @torch.no_grad()
 def step_costs(target, drafter, prompt, reps=10):
-    "Median seconds of one plain decode step, one verify step (a block of B tokens) and one draft step, after `prompt`."
+    "Median seconds of one plain decode step, one verify step (a block of B tokens) and one draft step (DFlash2: its walk included), after `prompt`."
     dev, B, ids = target.device, drafter.block_size, drafter.target_layer_ids
     cache = DynamicCache(config=target.config)
     with tap_layers(target, ids, stop=False) as hooked:
@@ -380,9 +380,10 @@ def step_costs(target, drafter, prompt, reps=10):
         return sorted(ts[1:])[reps // 2]                              # the first is a warm-up
     def forward(n):
         target(_ids(prompt[-1:] * n, dev), cache=cache, use_cache=True); crop(cache, P)
+    draft = drafter.propose if isinstance(drafter, DFlash2DraftModel) else drafter.draft
     with _eval_mode(target, drafter):
         return dict(decode_s=time_of(lambda: forward(1)), verify_s=time_of(lambda: forward(B)),
-                    draft_s=time_of(lambda: drafter.draft(None, torch.tensor([prompt[-1]]), P, dc)), block_size=B)
+                    draft_s=time_of(lambda: draft(None, torch.tensor([prompt[-1]]), P, dc)), block_size=B)
 
 # %% ../nbs/evaluate.ipynb #3c6d21d9
 def plot_results(res, path=None):

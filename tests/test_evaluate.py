@@ -295,8 +295,9 @@ def test_the_distribution_check_fails_wrong_rules(small):
     def residual_p(draft, q, p, generator=None):
         accepted, _ = speculative_sample(draft, q, p, generator)
         return accepted, _draw(p[accepted], generator)
-    assert chi2_pvalue(sampled(target, drafters['dflash'], always_accept, n=200)[0], exact) < ALPHA
-    assert chi2_pvalue(sampled(target, drafters['dflash'], residual_p)[0], exact) < ALPHA
+    assert chi2_pvalue(sampled(target, drafters['dflash'], always_accept, n=200)[0], exact) < ALPHA  # p = 0: outputs off the target's support
+    assert chi2_pvalue(sampled(target, drafters['dflash'], residual_p)[0], exact) < ALPHA      # p = 3e-5 (this drafter accepts 17%)
+    assert chi2_pvalue(sampled(target, drafters['dflash2'], residual_p)[0], exact) < ALPHA     # p = 1e-26 (45%: q overlaps p more)
     g = torch.Generator().manual_seed(0)                               # and the target's own sampler passes it
     assert chi2_pvalue([tuple(sample_decode(target, PROMPT, NEW, generator=g, **WARP)) for _ in range(N)], exact) > ALPHA
 

@@ -371,7 +371,7 @@ class DFlashOutput(ModelOutput):
 
 # %% ../nbs/model.ipynb #b0854cee
 def _rows(x, y, weight, bias, mult, cap, topk):
-    "One chunk: logits of rows `x` (through `weight`, `bias`, then `_softcap`), their cross-entropy on `y`, argmax hits, top-k, softmax."
+    "One chunk: `(logits, logsumexp, CE on y, argmax hits, top-k or None)` of rows `x` through `weight`, `bias`, then `_softcap`."
     z = F.linear(x.to(weight.dtype), weight, bias).float()
     logits = _softcap(z, mult, cap)
     lse = logits.logsumexp(-1)
@@ -380,7 +380,7 @@ def _rows(x, y, weight, bias, mult, cap, topk):
     return logits, lse, ce, logits.argmax(-1) == y, top
 
 class HeadCE(torch.autograd.Function):
-    """`w * CE(logits, labels)` of rows `h` [N, H], logits `_softcap(mult * (h @ W.T + bias))`, chunk by chunk, with the gradient in
+    """`w * CE(logits, labels)` of rows `h` [N, H], logits `_softcap(h @ W.T + bias, mult, cap)`, chunk by chunk, with the gradient in
     `h` made in the forward: summed with weights `w` [N], or one per row with `w=None`. Also the argmax hits, and with `topk` each
     row's top-k logits (values, indices), without gradient."""
     @staticmethod

@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['load_prompts', 'croppable', 'crop', 'snapshot', 'restore', 'recurrent_mixers', 'rollback', 'eos_ids', 'greedy_decode',
-           'ngram_propose', 'NgramDrafter', 'DFlashDrafter', 'load_drafter', 'spec_decode', 'greedy_reference',
-           'evaluate_many', 'evaluate', 'step_costs', 'plot_results', 'TauProbe', 'EvalConfig', 'tau_table',
-           'evaluate_job', 'evaluate_cli']
+           'sampling_probs', 'Sampling', 'sample_decode', 'ngram_propose', 'NgramDrafter', 'DFlashDrafter',
+           'load_drafter', 'speculative_sample', 'spec_decode', 'greedy_reference', 'evaluate_many', 'evaluate',
+           'step_costs', 'plot_results', 'TauProbe', 'EvalConfig', 'tau_table', 'evaluate_job', 'evaluate_cli']
 
 # %% ../nbs/evaluate.ipynb #f0d0c76d
 import time, warnings
@@ -20,6 +20,7 @@ from .core import TINY_TARGET, HELDOUT_DATA, RUNS, Job, param, target_param, out
 from .taps import tap_layers, tapped, load_target, load_target_config, load_tokenizer, target_name
 from .data import BadRow, DataError, load_conversations, prompt_of
 from .model import DFlashDraftModel
+from .dflash2 import DFlash2DraftModel, drafter_class
 from .publish import check_drafter
 
 # %% ../nbs/evaluate.ipynb #f8aaecc3
@@ -123,6 +124,44 @@ def greedy_decode(target, prompt, max_new_tokens=64, eos_token_id=None):
         new.append(int(target(_ids(new[-1:], dev), cache=cache, use_cache=True).logits[0, -1].argmax()))
     return new
 
+# %% ../nbs/evaluate.ipynb #c7e15a12
+def sampling_probs(logits, temperature=1.0, top_p=1.0, top_k=0):
+    """What a sampler draws from `logits` [..., V]: softmax(logits / `temperature`) over the `top_k` largest (0: all), then over the
+    most likely tokens until their mass reaches `top_p` (the token that crosses it included), renormalized."""
+    if temperature <= 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f'temperature={temperature}, top_p={top_p}, top_k={top_k}: need temperature > 0, 0 < top_p <= 1, top_k >= 0')
+    s = logits.float() / temperature
+    if 0 < top_k < s.shape[-1]:
+        v, i = s.topk(top_k, -1)
+        s = torch.full_like(s, float('-inf')).scatter(-1, i, v)
+    p = torch.softmax(s, -1)
+    if top_p < 1:
+        ps, order = p.sort(-1, descending=True)
+        ps = ps.masked_fill(ps.cumsum(-1) - ps >= top_p, 0)              # the mass before it already reaches top_p
+        p = torch.zeros_like(p).scatter(-1, order, ps)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+@dataclass
+class Sampling:
+    "A sampler's settings; called on logits, the distribution it draws from (`sampling_probs`)."
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    def __call__(self, logits): return sampling_probs(logits, self.temperature, self.top_p, self.top_k)
+
+def _draw(probs, generator=None): return int(torch.multinomial(probs, 1, generator=generator))
+
+@torch.no_grad()
+def sample_decode(target, prompt, max_new_tokens=64, eos_token_id=None, temperature=1.0, top_p=1.0, top_k=0, generator=None):
+    "The target's plain sampled output for `prompt`: as `greedy_decode`, each token drawn from `sampling_probs` of its logits."
+    eos, dev, warp = eos_ids(eos_token_id), target.device, Sampling(temperature, top_p, top_k)
+    cache = DynamicCache(config=target.config)
+    new = [_draw(warp(target(_ids(prompt, dev), cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]), generator)]
+    while len(new) < max_new_tokens and new[-1] not in eos:
+        new.append(_draw(warp(target(_ids(new[-1:], dev), cache=cache, use_cache=True).logits[0, -1]), generator))
+    return new
+
 # %% ../nbs/evaluate.ipynb #1395e95b
 def ngram_propose(tokens, k, max_n=4, min_n=1):
     "Up to `k` tokens that followed the most recent earlier occurrence of the longest suffix (`max_n`..`min_n` tokens) of `tokens`."
@@ -142,43 +181,85 @@ class NgramDrafter:
 
 # %% ../nbs/evaluate.ipynb #8f1eadc1
 class DFlashDrafter:
-    "Wraps a `DFlashDraftModel` (with its target attached) for the verify loop."
+    "Wraps a `DFlashDraftModel` or `DFlash2DraftModel` (with its target attached) for the verify loop, greedy or sampled."
     def __init__(self, model):
         self.model, self.layer_ids, self.block_size = model, model.target_layer_ids, model.block_size
     def reset(self): self.cache = self.model.new_cache()
-    def propose(self, tokens, taps, k):
+    def _inputs(self, tokens, taps):
         dev = self.model.fc.weight.device
-        logits = self.model.draft(taps.to(dev), torch.tensor([tokens[-1]], device=dev), len(tokens) - 1, self.cache)
+        return taps.to(dev), torch.tensor([tokens[-1]], device=dev), len(tokens) - 1, self.cache
+
+    def propose(self, tokens, taps, k):
+        if isinstance(self.model, DFlash2DraftModel): return self.model.propose(*self._inputs(tokens, taps))[0][0, :k].tolist()
+        logits = self.model.draft(*self._inputs(tokens, taps))
         return logits[0, :k].argmax(-1).tolist()
 
+    def propose_sampled(self, tokens, taps, k, warp, generator=None):
+        """`(k tokens, their probabilities q [k, V])`, drawn as the reference draws them: DFlash from the target's `warp` of its logits,
+        DFlash2 along the selector's walk from softmax(scores / T)."""
+        if k == 0: return [], None
+        if isinstance(self.model, DFlash2DraftModel):
+            path, cand, q = self.model.propose(*self._inputs(tokens, taps), temperature=warp.temperature, generator=generator)
+            V = self.model._io()[1].weight.shape[0]
+            return path[0, :k].tolist(), q.new_zeros(k, V).scatter_(1, cand[0, :k], q[0, :k])
+        q = warp(self.model.draft(*self._inputs(tokens, taps))[0, :k])
+        return torch.multinomial(q, 1, generator=generator)[:, 0].tolist(), q
+
 def load_drafter(path, target):
-    "The DFlash drafter saved in `path`, with `target` attached, on its device and in its dtype."
-    model = DFlashDraftModel.from_pretrained(path)
+    "The DFlash or DFlash2 drafter saved in `path`, with `target` attached, on its device and in its dtype."
+    model = drafter_class(path).from_pretrained(path)
     return model.to(device=target.device, dtype=target.dtype).attach_target(target).eval()
 
+# %% ../nbs/evaluate.ipynb #9ea039da
+def speculative_sample(draft, q, p, generator=None):
+    """Verify `draft` (k tokens) at T > 0: `q` [k, V] the probabilities each was drawn with (None: point masses), `p` [k+1, V] the
+    target's (`sampling_probs`) after each block position. Returns `(accepted, next token)` (see above)."""
+    k, dev = len(draft), p.device
+    d, rows = torch.as_tensor(draft, dtype=torch.long, device=dev), torch.arange(k, device=dev)
+    pd, qd = p[rows, d], torch.ones(k, device=dev) if q is None else q[rows, d].to(p.dtype)
+    accepted = int((torch.rand(k, device=dev, generator=generator) * qd < pd).long().cumprod(0).sum())
+    if accepted == k: return k, _draw(p[k], generator)
+    r = p[accepted].clone()
+    if q is None: r[d[accepted]] = 0
+    else: r = (r - q[accepted].to(p.dtype)).clamp_min(0)
+    return accepted, _draw(r if r.sum() > 0 else p[accepted], generator)
+
 # %% ../nbs/evaluate.ipynb #edfc8dfc
+def _proposal(drafter, tokens, taps, k, warp, generator):
+    "`(draft, q)`: greedy, the drafter's tokens; sampled, its `propose_sampled` when it has one, else its tokens as point masses (q None)."
+    if warp is not None and hasattr(drafter, 'propose_sampled'): return drafter.propose_sampled(tokens, taps, k, warp, generator)
+    return list(drafter.propose(tokens, taps, k))[:k], None
+
 @torch.no_grad()
-def spec_decode(target, drafter, prompt, max_new_tokens=64, eos_token_id=None, block_size=16):
-    "Greedy speculative decoding of `prompt`: returns the new tokens and, per verify step, `(accepted, drafted)`."
+def spec_decode(target, drafter, prompt, max_new_tokens=64, eos_token_id=None, block_size=16, temperature=0.0, top_p=1.0, top_k=0,
+                generator=None, rule=None):
+    """Speculative decoding of `prompt`, greedy (`temperature` 0) or sampled from the target's warp (`temperature`, `top_p`, `top_k`;
+    draws from `generator`, on the target's device): returns the new tokens and, per verify step, `(accepted, drafted)`. `rule`: the
+    acceptance rule at T > 0, `speculative_sample`."""
     eos, dev, layer_ids = eos_ids(eos_token_id), target.device, drafter.layer_ids
+    warp, rule = Sampling(temperature, top_p, top_k) if temperature > 0 else None, rule or speculative_sample
     cache = DynamicCache(config=target.config)
     with (tap_layers(target, layer_ids, stop=False) if layer_ids is not None else nullcontext({})) as hooked:
         o = target(_ids(prompt, dev), cache=cache, use_cache=True, logits_to_keep=1)
         P, taps = len(prompt), tapped(hooked, layer_ids) if layer_ids is not None else None
         hs = bool(recurrent_mixers(target, cache))                    # the layers' inputs make a rollback cheap
-        tokens, steps = list(prompt) + [int(o.logits[0, -1].argmax())], []
+        first = _draw(warp(o.logits[0, -1]), generator) if warp else int(o.logits[0, -1].argmax())
+        tokens, steps = list(prompt) + [first], []
         drafter.reset()
         while len(tokens) - P < max_new_tokens and tokens[-1] not in eos:
             k = min(block_size - 1, max_new_tokens - (len(tokens) - P) - 1)
-            draft = list(drafter.propose(tokens, taps, k))[:k]
+            draft, q = _proposal(drafter, tokens, taps, k, warp, generator)
             snap = snapshot(cache) if draft and not croppable(cache) else cache.get_seq_length()
             block = [tokens[-1]] + draft
             o = target(_ids(block, dev), cache=cache, use_cache=True, output_hidden_states=hs)
-            greedy = o.logits[0].argmax(-1).tolist()
-            acc = 0
-            while acc < len(draft) and draft[acc] == greedy[acc]: acc += 1
+            if warp: acc, nxt = rule(draft, q, warp(o.logits[0]), generator)
+            else:
+                greedy = o.logits[0].argmax(-1).tolist()
+                acc = 0
+                while acc < len(draft) and draft[acc] == greedy[acc]: acc += 1
+                nxt = greedy[acc]
             if layer_ids is not None: taps = tapped(hooked, layer_ids)[:, :acc + 1]
-            new = draft[:acc] + [greedy[acc]]
+            new = draft[:acc] + [nxt]
             if any(t in eos for t in new): new = new[:next(i for i, t in enumerate(new) if t in eos) + 1]
             tokens += new; steps.append((acc, len(draft)))
             if acc < len(draft): rollback(target, cache, snap, block[:acc + 1], o.hidden_states)
@@ -218,13 +299,14 @@ def _eval_mode(*models):
 def _first_mismatch(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
-def _summary(per, steps, reference, B):
+def _summary(per, steps, reference, B, sampling):
     n = max(len(steps), 1)
     t_spec, t_base, new = sum(r['time_s'] for r in per), sum(reference['time_s']), sum(r['new_tokens'] for r in per)
     return dict(tau=sum(a + 1 for a, _ in steps) / n, accept_hist=[sum(a >= k for a, _ in steps) / n for k in range(1, B)],
                 drafted_per_step=sum(d for _, d in steps) / n, steps=len(steps), new_tokens=new,
                 tokens_per_s=new / t_spec, baseline_tokens_per_s=sum(map(len, reference['outputs'])) / t_base,
-                speedup=t_base / t_spec, lossless=all(r['lossless'] for r in per), block_size=B, per_prompt=per)
+                speedup=t_base / t_spec, lossless=None if sampling else all(r['lossless'] for r in per), block_size=B,
+                **(vars(sampling) if sampling else dict(temperature=0.0)), per_prompt=per)
 
 def _check(got, want, i, strict):
     "The first new token where `got` differs from the reference `want` (None if equal); warns or raises."
@@ -236,11 +318,13 @@ def _check(got, want, i, strict):
     return mm
 
 def evaluate_many(target, drafters, prompts, max_new_tokens=64, block_size=None, eos_token_id=None, reference=None,
-                  warmup=True, strict=False, progress=False):
+                  warmup=True, strict=False, progress=False, temperature=0.0, top_p=1.0, top_k=0, seed=0):
     """`evaluate` for a dict of drafters, prompt by prompt: the target alone (unless `reference` is given), then each
     drafter, so that a machine whose load drifts during the run times them all alike. Returns a result per name."""
     ds, eos = {k: _as_drafter(d) for k, d in drafters.items()}, _eos(target, eos_token_id)
     Bs = {k: block_size or getattr(d, 'block_size', 16) for k, d in ds.items()}
+    sampling = Sampling(temperature, top_p, top_k) if temperature > 0 else None
+    gen = lambda i: torch.Generator(device=target.device).manual_seed(seed * 1_000_003 + i)   # prompt i's draws: the same for every drafter
     if reference is not None:
         for k, v in dict(max_new_tokens=max_new_tokens, eos_token_id=eos).items():
             if reference.get(k, v) != v: raise ValueError(f"reference was decoded with {k}={reference[k]}, evaluate with {v}")
@@ -253,28 +337,35 @@ def evaluate_many(target, drafters, prompts, max_new_tokens=64, block_size=None,
             greedy_decode(target, prompts[0], 4, eos)
             for k, d in ds.items(): spec_decode(target, d, prompts[0], 4, eos, Bs[k])
         for i, p in enumerate(tqdm(prompts, desc='evaluate', disable=not progress)):
-            if reference is None:
-                t0 = _clock(target.device); ref['outputs'].append(greedy_decode(target, p, max_new_tokens, eos))
+            if reference is None:                       # at T > 0, the target's own sampling: the baseline's time
+                t0 = _clock(target.device)
+                ref['outputs'].append(sample_decode(target, p, max_new_tokens, eos, **vars(sampling), generator=gen(i)) if sampling
+                                      else greedy_decode(target, p, max_new_tokens, eos))
                 ref['time_s'].append(_clock(target.device) - t0)
             for k, d in ds.items():
-                t0 = _clock(target.device); got, st = spec_decode(target, d, p, max_new_tokens, eos, Bs[k]); t = _clock(target.device) - t0
-                mm = _check(got, ref['outputs'][i], i, strict)
+                t0 = _clock(target.device)
+                got, st = spec_decode(target, d, p, max_new_tokens, eos, Bs[k], temperature, top_p, top_k, gen(i) if sampling else None)
+                t = _clock(target.device) - t0
+                mm = None if sampling else _check(got, ref['outputs'][i], i, strict)
                 steps[k] += st
                 per[k].append(dict(prompt=i, new_tokens=len(got), steps=len(st), tau=sum(a + 1 for a, _ in st) / max(len(st), 1),
-                                   time_s=t, baseline_time_s=ref['time_s'][i], lossless=mm is None, first_mismatch=mm))
-    return {k: _summary(per[k], steps[k], ref, Bs[k]) for k in ds}
+                                   time_s=t, baseline_time_s=ref['time_s'][i], lossless=None if sampling else mm is None,
+                                   first_mismatch=mm))
+    return {k: _summary(per[k], steps[k], ref, Bs[k], sampling) for k in ds}
 
 def evaluate(target, drafter, prompts, max_new_tokens=64, block_size=None, eos_token_id=None, reference=None,
-             warmup=True, strict=False, progress=False):
-    """Speculative decoding of `prompts` (lists of token ids) with `drafter` (a `DFlashDraftModel`, 'ngram', or an object
-    with `layer_ids`, `reset()`, `propose(tokens, taps, k)`): tau, acceptance per slot, tokens/s, and a lossless check."""
+             warmup=True, strict=False, progress=False, temperature=0.0, top_p=1.0, top_k=0, seed=0):
+    """Speculative decoding of `prompts` (lists of token ids) with `drafter` (a `DFlashDraftModel` or `DFlash2DraftModel`, 'ngram', or
+    an object with `layer_ids`, `reset()`, `propose(tokens, taps, k)`): tau, acceptance per slot, tokens/s, and a lossless check.
+    At `temperature` > 0 (with `top_p`, `top_k`) it samples, prompt i's draws seeded from `seed` and i; `lossless` is then None
+    (sampled outputs are checked in distribution, by the tests), and `reference` only times the baseline."""
     return evaluate_many(target, {'drafter': drafter}, prompts, max_new_tokens, block_size, eos_token_id, reference,
-                         warmup, strict, progress)['drafter']
+                         warmup, strict, progress, temperature, top_p, top_k, seed)['drafter']
 
 # %% ../nbs/evaluate.ipynb #ea308d83
 @torch.no_grad()
 def step_costs(target, drafter, prompt, reps=10):
-    "Median seconds of one plain decode step, one verify step (a block of B tokens) and one draft step, after `prompt`."
+    "Median seconds of one plain decode step, one verify step (a block of B tokens) and one draft step (DFlash2: its walk included), after `prompt`."
     dev, B, ids = target.device, drafter.block_size, drafter.target_layer_ids
     cache = DynamicCache(config=target.config)
     with tap_layers(target, ids, stop=False) as hooked:
@@ -289,9 +380,10 @@ def step_costs(target, drafter, prompt, reps=10):
         return sorted(ts[1:])[reps // 2]                              # the first is a warm-up
     def forward(n):
         target(_ids(prompt[-1:] * n, dev), cache=cache, use_cache=True); crop(cache, P)
+    draft = drafter.propose if isinstance(drafter, DFlash2DraftModel) else drafter.draft
     with _eval_mode(target, drafter):
         return dict(decode_s=time_of(lambda: forward(1)), verify_s=time_of(lambda: forward(B)),
-                    draft_s=time_of(lambda: drafter.draft(None, torch.tensor([prompt[-1]]), P, dc)), block_size=B)
+                    draft_s=time_of(lambda: draft(None, torch.tensor([prompt[-1]]), P, dc)), block_size=B)
 
 # %% ../nbs/evaluate.ipynb #3c6d21d9
 def plot_results(res, path=None):
@@ -313,10 +405,13 @@ def plot_results(res, path=None):
 
 # %% ../nbs/evaluate.ipynb #5b108314
 class TauProbe:
-    "tau of drafters on the prompts of the `eval_data` files (comma-separated), the target loaded and its own decodes run once."
-    def __init__(self, target, eval_data, n=8, max_new_tokens=64, dtype=None, device=None):
+    """tau of drafters on the prompts of the `eval_data` files (comma-separated), the target loaded and its own decodes run once;
+    greedy, or sampled at `temperature` (with `top_p`, `top_k`, draws seeded by `seed`)."""
+    def __init__(self, target, eval_data, n=8, max_new_tokens=64, dtype=None, device=None, temperature=0.0, top_p=1.0, top_k=0, seed=0):
         self.target_name, self.files, self.n, self.max_new_tokens = target, [f.strip() for f in eval_data.split(',') if f.strip()], n, max_new_tokens
         self.dtype, self.device, self.target, self.sets = dtype, device, None, {}
+        self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        if temperature > 0: sampling_probs(torch.zeros(2), temperature, top_p, top_k)      # refuse bad settings now, not mid-training
 
     def _load(self):
         if self.target is None:
@@ -329,7 +424,7 @@ class TauProbe:
     def __call__(self, drafter):
         "`(tau averaged over the files, {file: evaluate's result})` of `drafter`."
         target = self._load()
-        res = {f: evaluate(target, drafter, ps, self.max_new_tokens, reference=ref) for f, (ps, ref) in self.sets.items()}
+        res = {f: evaluate(target, drafter, ps, self.max_new_tokens, reference=ref, **self.sampling) for f, (ps, ref) in self.sets.items()}
         return sum(r['tau'] for r in res.values()) / len(res), res
 
 # %% ../nbs/evaluate.ipynb #55ddc3d7
@@ -337,12 +432,16 @@ class TauProbe:
 class EvalConfig(Job):
     "Measure a drafter's acceptance length tau with lossless speculative decoding, against the n-gram baseline."
     target: str | None = target_param()
-    drafter: str | None = param(None, 'a DFlash drafter checkpoint directory; None: the n-gram baseline alone')
+    drafter: str | None = param(None, 'a DFlash or DFlash2 drafter checkpoint directory; None: the n-gram baseline alone')
     eval_data: str | None = param(None, 'prompt files, comma-separated (any format prepare reads); None: the held-out split')
     num_prompts: int | None = param(8, 'prompts per file; None: all', min=1)
     max_new_tokens: int = param(64, 'tokens decoded per prompt', min=1)
     out: str | None = out_param('evaluate', 'results.json and plots')
     dtype: str | None = param(None, "the target's dtype: bf16, fp16 or fp32; None: bf16 on GPU, fp32 on CPU", choices=('bf16', 'fp16', 'fp32'))
+    temperature: float = param(0.0, 'also measure tau sampling at this temperature (0: greedy only)', min=0)
+    top_p: float = param(1.0, 'sampling: keep the most likely tokens up to this mass', gt=0, max=1)
+    top_k: int = param(0, 'sampling: keep the k most likely tokens (0: all)', min=0)
+    seed: int = param(0, 'seed of the sampled decodes', min=0)
 
     def check(self):
         if self.target is None: self.set('target', str(TINY_TARGET), 'the embedded target')
@@ -358,19 +457,24 @@ class EvalConfig(Job):
     def files(self): return [f.strip() for f in self.eval_data.split(',') if f.strip()]
 
 def tau_table(results):
-    "The printed table of `evaluate_job`'s results: a row per file and drafter, then whether every output was lossless."
-    rows = [f"{'prompts':24} {'drafter':10} {'tau':>6} {'drafted/step':>13} {'tok/s':>8} {'speedup':>8}"]
+    "The printed table of `evaluate_job`'s results: a row per file, drafter and temperature, then whether every greedy output was lossless."
+    rows = [f"{'prompts':24} {'drafter':16} {'tau':>6} {'drafted/step':>13} {'tok/s':>8} {'speedup':>8}"]
     for f, res in results.items():
         for name, r in res.items():
-            rows.append(f"{Path(f).name[:24]:24} {name:10} {r['tau']:6.2f} {r['drafted_per_step']:13.2f} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f}")
-    bad = [(f, n, p['prompt']) for f, res in results.items() for n, r in res.items() for p in r['per_prompt'] if not p['lossless']]
-    n = sum(len(r['per_prompt']) for res in results.values() for r in res.values())
+            rows.append(f"{Path(f).name[:24]:24} {name:16} {r['tau']:6.2f} {r['drafted_per_step']:13.2f} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f}")
+    greedy = [(f, n, r) for f, res in results.items() for n, r in res.items() if r['lossless'] is not None]
+    bad = [(f, n, p['prompt']) for f, n, r in greedy for p in r['per_prompt'] if not p['lossless']]
+    n = sum(len(r['per_prompt']) for _, _, r in greedy)
     rows.append(f'Lossless: every one of the {n} speculative outputs equals the target\'s own greedy output, token for token.' if not bad else
                 f'NOT lossless: {len(bad)} of {n} outputs differ from the target\'s greedy output (first: {bad[0][0]} prompt {bad[0][2]}, {bad[0][1]}).')
+    if temps := sorted({r['temperature'] for res in results.values() for r in res.values() if r['lossless'] is None}):
+        rows.append(f"Sampled rows (T = {', '.join(f'{t:g}' for t in temps)}): each token is drawn as the target's own sampling draws it "
+                    '(rejection sampling, tested in distribution), so no output is compared token for token.')
     return '\n'.join(rows)
 
 def evaluate_job(*args, **kw):
-    "Decode prompts with the target alone and with each drafter; tau per file and drafter, losslessness, results.json (see `EvalConfig`)."
+    """Decode prompts with the target alone and with each drafter; tau per file and drafter, greedy and, with `temperature`, sampled;
+    losslessness; results.json (see `EvalConfig`)."""
     job = args[0] if args and isinstance(args[0], Job) else EvalConfig(*args, **kw)
     out = claim_out(job.out, job)
     print(job.announce())
@@ -383,12 +487,17 @@ def evaluate_job(*args, **kw):
     drafters['ngram'] = NgramDrafter()
     B = drafters['dflash'].block_size if job.drafter else 16
     results = {}
-    for f, prompts in sets.items(): results[f] = evaluate_many(target, drafters, prompts, job.max_new_tokens, B, progress=True)
+    for f, prompts in sets.items():
+        results[f] = evaluate_many(target, drafters, prompts, job.max_new_tokens, B, progress=True)
+        if job.temperature > 0:
+            hot = evaluate_many(target, drafters, prompts, job.max_new_tokens, B, progress=True, temperature=job.temperature,
+                                top_p=job.top_p, top_k=job.top_k, seed=job.seed)
+            results[f].update({f'{k} T={job.temperature:g}': r for k, r in hot.items()})
     print(tau_table(results))
     write_json_atomic(out / 'results.json', dict(config=job.to_dict(), target=target_name(job.target), results=results))
     for i, (f, res) in enumerate(results.items()): plot_results(res, out / f'acceptance-{i}.png')
     return results
 
 def evaluate_cli(argv=None):
-    "Measure tau with lossless speculative decoding: `dflash_evaluate --target MODEL --drafter DIR --eval-data a.jsonl,b.jsonl`."
+    "Measure tau with lossless speculative decoding: `dflash_evaluate --target MODEL --drafter DIR --eval-data a.jsonl,b.jsonl [--temperature 0.7]`."
     return run_cli(evaluate_job, EvalConfig, 'dflash_evaluate', argv)

@@ -70,36 +70,61 @@ def save_drafter(model, path, dtype=None):
     return Path(path)
 
 # %% ../nbs/publish.ipynb #8853840e
-def model_card(path, training='', tau=None, measured=''):
-    "Write `path/README.md`, the model card of the drafter saved in `path`, from its config and what the caller says of its training and tau."
+def _layers(c):
+    "The layers in words, with the attention rule inside the block as the released class reads it (`is_causal`, else per layer)."
+    types = c.get('layer_types') or ['full_attention'] * c['num_hidden_layers']
+    causal, w = c.get('is_causal'), c.get('sliding_window')
+    inside = lambda sliding: 'causal' if (sliding if causal is None else causal) else 'bidirectional'
+    n_sw = types.count('sliding_attention')
+    n_full = len(types) - n_sw
+    sw = (f"{n_sw} sliding-window layer{'s' * (n_sw > 1)} (window {w}: at most {w - 1} context positions before the block, "
+          f"{inside(True)} inside it)") if n_sw else ''
+    full = f"{n_full} full-attention layer{'s' * (n_full > 1)} (the whole context, {inside(False)} inside the block)" if n_full else ''
+    return ' and '.join(filter(None, [sw, full])) + f", `layer_types` {types}"
+
+_SERVED = ('block_size', 'num_target_layers', 'layer_types', 'sliding_window', 'is_causal')
+_SERVED_DC = ('mask_token_id', 'target_layer_ids', 'use_swa', 'swa_window_size', 'causal', 'conv_kernel_size', 'conv_group_size',
+              'selector_rank', 'selector_top_k')
+
+def _keys(c):
+    "The config keys servers read, with this checkpoint's values, as a markdown list."
+    dc = c['dflash_config']
+    keys = [('architectures', c.get('architectures'))] + [(k, c[k]) for k in _SERVED if k in c]
+    keys += [(f'dflash_config.{k}', dc[k]) for k in _SERVED_DC if k in dc]
+    return '\n'.join(f'- `{k}`: `{json.dumps(v)}`' for k, v in keys)
+
+def model_card(path, training='', tau=None, measured='', temperature=None, tau_sampled=None):
+    """Write `path/README.md`, the model card of the drafter saved in `path`, from its config and what the caller says of its training
+    and tau: `tau` {drafter: tau at T = 0}, and `tau_sampled` {drafter: tau} at `temperature` when measured."""
     c = json.loads((Path(path) / 'config.json').read_text())
     dc, target = c['dflash_config'], c.get('target_model') or 'the target'
+    two = 'DFlash2DraftModel' in (c.get('architectures') or [])
     rev = f" (revision `{c['target_revision']}`)" if c.get('target_revision') else ''
-    types = c.get('layer_types') or ['full_attention'] * c['num_hidden_layers']
-    n_sw = types.count('sliding_attention')
-    n_full, w = len(types) - n_sw, c.get('sliding_window')
-    sw = f"{n_sw} sliding-window layer{'s' * (n_sw > 1)} (window {w}: at most {w - 1} context positions before the block, causal inside it)" if n_sw else ''
-    full = f"{n_full} full-attention layer{'s' * (n_full > 1)} (the whole context, bidirectional inside the block)" if n_full else ''
-    layers = ' and '.join(filter(None, [sw, full])) + f", `layer_types` {types}"
-    taus = '\n'.join(f'| {k} | {v:.2f} |' for k, v in (tau or {}).items())
+    kind = ("As DFlash2, each layer wraps its attention and its MLP in grouped dynamic causal convolutions over the block "
+            f"({dc.get('conv_kernel_size')} taps, groups of {dc.get('conv_group_size')} channels), and a candidate selector re-ranks each "
+            f"slot's top {dc.get('selector_top_k')} along the block (codebooks of rank {dc.get('selector_rank')}). ") if two else ''
+    hot = tau_sampled is not None and temperature is not None
+    names = list(dict.fromkeys([*(tau or {}), *(tau_sampled or {} if hot else {})]))
+    cell = lambda d, k: f'{d[k]:.2f}' if d and k in d else ''
+    taus = '\n'.join(f"| {k} | {cell(tau, k)} |" + (f" {cell(tau_sampled, k)} |" if hot else '') for k in names)
+    head = '| drafter | tau (T = 0) |' + (f' tau (T = {temperature:g}) |' if hot else '') + '\n|---|---|' + ('---|' if hot else '')
     text = f"""---
 library_name: transformers
 base_model: {target}
-tags: [dflash, speculative-decoding, draft-model]
+tags: [dflash, {'dflash2, ' if two else ''}speculative-decoding, draft-model]
 ---
-# DFlash drafter for {target}
+# {'DFlash2' if two else 'DFlash'} drafter for {target}
 
 A block-diffusion drafter ([DFlash](https://github.com/z-lab/dflash)) that drafts {c['block_size'] - 1} tokens in one pass for
 **{target}**{rev}, conditioned on the outputs of its decoder layers {dc['target_layer_ids']} (of {c.get('num_target_layers')}).
-{c['num_hidden_layers']} Qwen3-style layers, hidden size {c['hidden_size']}, block size {c['block_size']}, mask token id
-{dc['mask_token_id']}; {layers}. It borrows the target's embeddings and output head, which are not in this checkpoint.
+{kind}{c['num_hidden_layers']} Qwen3-style layers, hidden size {c['hidden_size']}, block size {c['block_size']}, mask token id
+{dc['mask_token_id']}; {_layers(c)}. It borrows the target's embeddings and output head, which are not in this checkpoint.
 
 ## Training
 {training or 'Not recorded.'}
 
 ## Acceptance length
-| drafter | tau |
-|---|---|
+{head}
 {taus or '| (not measured) | |'}
 
 {measured}
@@ -108,6 +133,12 @@ A block-diffusion drafter ([DFlash](https://github.com/z-lab/dflash)) that draft
 vLLM: `vllm serve {target} --speculative-config '{{"method": "dflash", "model": "PATH", "num_speculative_tokens": {c['block_size'] - 1}}}'`
 
 SGLang: `python -m sglang.launch_server --model {target} --speculative-algorithm DFLASH --speculative-draft-model-path PATH`
+{'''
+DFlash2 is chosen by `architectures`, with the same method: vLLM needs a build with vllm-project/vllm#52816; SGLang's
+support is sgl-project/sglang#35371.
+''' if two else ''}
+The config keys they read, as this checkpoint sets them:
+{_keys(c)}
 """
     (Path(path) / 'README.md').write_text(text)
     return Path(path) / 'README.md'

@@ -219,3 +219,119 @@ def test_job_tau_per_file_and_drafter(tok, hybrid, save_target, tmp_path, capsys
     saved = json.loads((tmp_path / 'eval/results.json').read_text())
     assert saved['results'][str(tmp_path / 'asks.json')]['dflash']['block_size'] == 8
     assert load_drafter(tmp_path / 'drafter', m).block_size == 8
+
+# --- sampled decoding: lossless in distribution
+
+from collections import Counter
+from transformers import AutoModelForCausalLM, Qwen3Config
+from dflash.evaluate import Sampling, TauProbe, sample_decode, sampling_probs, speculative_sample, _draw
+
+ALPHA = 1e-3          # the false-alarm rate of each distribution check
+N = 1000              # speculative decodes per check
+
+def continuations(target, prompt, n, warp):
+    "{continuation: probability} of every n-token continuation of `prompt` under the target's own sampling, enumerated."
+    seqs, probs = [()], torch.ones(1, dtype=torch.float64)
+    for _ in range(n):
+        with torch.no_grad(): p = warp(target(torch.tensor([list(prompt) + list(s) for s in seqs])).logits[:, -1]).double()
+        nz = p.nonzero()
+        seqs, probs = [seqs[r] + (t,) for r, t in nz.tolist()], probs[nz[:, 0]] * p[nz[:, 0], nz[:, 1]]
+    return dict(zip(seqs, probs.tolist()))
+
+def chi2_pvalue(samples, dist, min_expected=5):
+    "Pearson's chi-square p-value of `samples` against `dist` (cells expecting < 5 pooled); 0 if a sample is outside its support."
+    n, counts = len(samples), Counter(samples)
+    if set(counts) - set(dist): return 0.0
+    cells, rest = [], [0, 0.0]
+    for k, pk in dist.items():
+        o, e = counts.get(k, 0), n * pk
+        if e >= min_expected: cells.append((o, e))
+        else: rest[0] += o; rest[1] += e
+    if rest[1] > 0: cells.append(tuple(rest))
+    x2 = sum((o - e) ** 2 / e for o, e in cells)
+    return torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2, dtype=torch.float64), torch.tensor(x2 / 2, dtype=torch.float64)).item()
+
+PROMPT, NEW, WARP = [1, 4, 5, 1, 4], 4, dict(temperature=1.0, top_k=3)   # 3^4 = 81 continuations; blocks of 4 draft 2 tokens a step
+
+def wide(drafter, seed=4, selector_only=False):
+    "Wide random weights (seed 4: drafters whose tokens are accepted 17% (DFlash) and 45% (DFlash2) of the time here)."
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for n, p in drafter.named_parameters():
+            if n.startswith('candidate_selector.'): p.normal_(0, 1.0)
+            elif p.dim() == 2 and not selector_only: p.normal_(0, 0.3)
+    return drafter
+
+@pytest.fixture(scope='module')
+def small():
+    "A random dense target of 6 tokens, its drafters, and the exact distribution of its 4-token continuations of PROMPT."
+    from dflash.dflash2 import DFlash2DraftModel
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(Qwen3Config(vocab_size=6, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, initializer_range=0.3, tie_word_embeddings=True)).eval()
+    d1 = wide(DFlashDraftModel(drafter_config(target.config, 1, 4, 3)).attach_target(target).eval())
+    d2 = wide(DFlash2DraftModel.from_dflash(d1, selector_rank=4, selector_top_k=3), seed=14, selector_only=True)
+    return target, dict(dflash=DFlashDrafter(d1), dflash2=DFlashDrafter(d2), ngram=NgramDrafter()), continuations(target, PROMPT, NEW, Sampling(**WARP))
+
+def sampled(target, drafter, rule=None, n=N, seed=0):
+    g, outs, acc, drafted = torch.Generator().manual_seed(seed), [], 0, 0
+    for _ in range(n):
+        toks, steps = spec_decode(target, drafter, PROMPT, NEW, block_size=4, generator=g, rule=rule, **WARP)
+        outs.append(tuple(toks)); acc += sum(a for a, _ in steps); drafted += sum(d for _, d in steps)
+    return outs, acc / max(drafted, 1)
+
+@pytest.mark.parametrize('kind', ['dflash', 'dflash2', 'ngram'])
+def test_sampled_decoding_is_lossless_in_distribution(small, kind):
+    """Speculative sampling (DFlash: q from the warp of its logits; DFlash2: the selector's rows; n-gram: point masses) draws the target's
+    own distribution: chi-square against the enumerated 81 continuations, p > 1e-3 (fixed seeds: the test is deterministic)."""
+    target, drafters, exact = small
+    outs, rate = sampled(target, drafters[kind])
+    assert chi2_pvalue(outs, exact) > ALPHA and 0.1 < rate < 0.9, (kind, chi2_pvalue(outs, exact), rate)
+
+def test_the_distribution_check_fails_wrong_rules(small):
+    "The same check, with the same drafter and draws, rejects a rule that always accepts and one whose residual is p, not max(p - q, 0)."
+    target, drafters, exact = small
+    def always_accept(draft, q, p, generator=None): return len(draft), _draw(p[len(draft)], generator)
+    def residual_p(draft, q, p, generator=None):
+        accepted, _ = speculative_sample(draft, q, p, generator)
+        return accepted, _draw(p[accepted], generator)
+    assert chi2_pvalue(sampled(target, drafters['dflash'], always_accept, n=200)[0], exact) < ALPHA  # p = 0: outputs off the target's support
+    assert chi2_pvalue(sampled(target, drafters['dflash'], residual_p)[0], exact) < ALPHA      # p = 3e-5 (this drafter accepts 17%)
+    assert chi2_pvalue(sampled(target, drafters['dflash2'], residual_p)[0], exact) < ALPHA     # p = 1e-26 (45%: q overlaps p more)
+    g = torch.Generator().manual_seed(0)                               # and the target's own sampler passes it
+    assert chi2_pvalue([tuple(sample_decode(target, PROMPT, NEW, generator=g, **WARP)) for _ in range(N)], exact) > ALPHA
+
+@pytest.mark.slow
+def test_sampled_decoding_on_a_hybrid_target_is_lossless_in_distribution(make_target):
+    "The same check on the Qwen3.5 hybrid, whose recurrent states are rolled back after every rejection."
+    target = make_target('qwen3_5', layers=4, hidden=32, vocab=6, initializer_range=0.3)
+    d = wide(DFlashDraftModel(drafter_config(target.config, 1, 4, 3)).attach_target(target).eval())
+    outs, rate = sampled(target, DFlashDrafter(d))
+    assert chi2_pvalue(outs, continuations(target, PROMPT, NEW, Sampling(**WARP))) > ALPHA and 0.1 < rate < 0.9
+
+def test_sampling_arguments_leave_greedy_decoding_as_it_was(tok, prompts, hybrid):
+    m = hybrid()
+    d = fresh(m, tok, num_hidden_layers=1, block_size=4)
+    want = spec_decode(m, DFlashDrafter(d), prompts[0], 20, block_size=4)
+    assert spec_decode(m, DFlashDrafter(d), prompts[0], 20, None, 4, 0.0, 0.5, 3, torch.Generator().manual_seed(0)) == want
+    assert want[0] == greedy_decode(m, prompts[0], 20)
+
+def test_sampled_evaluate_and_probe(tok, prompts, hybrid):
+    from dflash.dflash2 import DFlash2DraftModel
+    m = hybrid()
+    d2 = DFlash2DraftModel.from_dflash(fresh(m, tok, num_hidden_layers=1, block_size=4), selector_rank=8, selector_top_k=4)
+    ref = greedy_reference(m, prompts[:2], 16)
+    r = evaluate(m, d2, prompts[:2], 16, reference=ref, temperature=0.7, top_p=0.9, top_k=50, seed=3)
+    assert r['lossless'] is None and (r['temperature'], r['top_p'], r['top_k']) == (0.7, 0.9, 50) and 1 <= r['tau'] <= 4
+    assert all(p['lossless'] is None and p['new_tokens'] == 16 for p in r['per_prompt'])
+    assert evaluate(m, d2, prompts[:2], 16, reference=ref, temperature=0.7, top_p=0.9, top_k=50, seed=3)['tau'] == r['tau']
+    assert evaluate(m, d2, prompts[:2], 16, reference=ref)['lossless'] is True
+    with pytest.raises(ValueError, match='top_p'): TauProbe(str(TINY_TARGET), str(HELDOUT_DATA), temperature=0.5, top_p=1.5)
+
+def test_sampling_probs():
+    lg = torch.tensor([[3.0, 1.0, 0.5, -2.0]])
+    assert torch.allclose(sampling_probs(lg, 2.0), torch.softmax(lg / 2, -1))
+    p = sampling_probs(lg, 1.0, top_p=0.9, top_k=3)
+    full = torch.softmax(lg[0, :3], -1)                              # top-k 3, then the smallest head of mass >= 0.9
+    keep = (full.cumsum(0) - full < 0.9)
+    assert torch.allclose(p[0, :3], (full * keep) / (full * keep).sum()) and p[0, 3] == 0

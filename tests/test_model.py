@@ -328,3 +328,101 @@ def test_load_target_io_reads_only_embeddings_and_head(both, tmp_path):
 def test_refuses_other_drafter_architectures():
     cfg = drafter_config(qwen3_target(100), num_hidden_layers=1, mask_token_id=3, architectures=['DFlash2DraftModel'])
     with pytest.raises(ValueError, match='DFlash2DraftModel'): DFlashDraftModel(cfg)
+
+# --- D-PACE -------------------------------------------------------------------------------------------
+
+def dpace_direct(ce, labels, alpha=0.5):
+    "D-PACE weights term by term: q~_i = (1-alpha) exp(-CE_i) + alpha, w_j = sum_{m>=j} prod_{i<=m} q~_i, a slot without a label ending the chain."
+    out = torch.zeros(ce.shape, dtype=torch.float64)
+    for idx in torch.cartesian_prod(*[torch.arange(s) for s in ce.shape[:-1]]).tolist():
+        idx = tuple(idx) if isinstance(idx, list) else (idx,)
+        qt = [((1 - alpha) * math.exp(-c) + alpha) if y != -100 else 0. for c, y in zip(ce[idx].tolist(), labels[idx].tolist())]
+        out[idx] = torch.tensor([sum(math.prod(qt[:m + 1]) for m in range(j, len(qt))) for j in range(len(qt))])
+    return out
+
+def test_dpace_weights_against_a_direct_implementation():
+    from dflash.model import dpace_weights, _loss_weights
+    g = torch.Generator().manual_seed(0)
+    ce = torch.rand(3, 4, 5, generator=g) * 3
+    labels = torch.randint(5, 50, (3, 4, 5), generator=g)
+    labels[0, 1, 3:] = -100; labels[1, 2, 1] = -100; labels[2] = -100; labels[1, 3] = -100     # ends, a hole, empty blocks, an empty row
+    for alpha in (0.0, 0.5, 1.0):
+        want = dpace_direct(ce, labels, alpha)
+        assert torch.allclose(dpace_weights(ce, labels != -100, alpha).double(), want, atol=1e-6)
+        w, norm = _loss_weights(labels, ce[labels != -100], 'dpace', alpha=alpha)
+        per_seq = torch.tensor([4., 3., 1.])                                   # blocks with a label per sequence (the last: none)
+        assert torch.allclose(w.double(), (want / per_seq[:, None, None])[labels != -100], atol=1e-6) and norm == 2
+    assert torch.allclose(dpace_weights(ce, labels != -100, 1.0)[0, 0], torch.tensor([5., 4., 3., 2., 1.]))   # alpha 1: the slots left
+    with pytest.raises(ValueError, match='dpace_alpha'): dpace_weights(ce, labels != -100, 1.5)
+
+def test_dpace_loss_of_the_forward(setup):
+    _, drafter, hs, ids, lm = setup
+    anchors = torch.tensor([[5, 11, 17], [7, 12, 0]]); valid = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    out = drafter(hs, ids, lm, anchors=anchors, anchor_valid=valid, return_logits=True, loss='dpace', dpace_alpha=0.3)
+    keep = out.labels != -100
+    ce = torch.zeros(keep.shape).masked_scatter(keep, F.cross_entropy(out.logits[keep].float(), out.labels[keep], reduction='none'))
+    w = dpace_direct(ce.detach(), out.labels, 0.3)
+    per_seq = keep.any(-1).sum(-1)
+    want = sum((w[r] * ce[r].double()).sum() / per_seq[r] for r in range(2)) / 2
+    assert torch.allclose(out.loss.double(), want, atol=1e-5) and out.weight == 2 and per_seq.tolist() == [3, 2]
+    out.loss.backward()
+    assert drafter.fc.weight.grad.abs().sum() > 0
+    drafter.zero_grad(set_to_none=True)
+    decay = drafter(hs, ids, lm, anchors=anchors, anchor_valid=valid)
+    assert not torch.allclose(decay.loss, out.loss) and torch.allclose(decay.weight, slot_weights(B).expand_as(keep)[keep].sum())
+    with pytest.raises(ValueError, match="'decay' or 'dpace'"): drafter(hs, ids, lm, loss='pace')
+
+def test_logit_transforms_and_embedding_scale(setup):
+    "`output_multiplier`, `final_logit_softcapping` and `input_embedding_scale` (from dflash_config, else the top level) in the loss and its gradient."
+    target, drafter, hs, ids, lm = setup
+    cfg = DFlashConfig(**drafter.config.to_dict())
+    cfg.dflash_config.update(output_multiplier=0.5, input_embedding_scale=2.0); cfg.final_logit_softcapping = 3.0
+    d = DFlashDraftModel(cfg).attach_target(target); d.load_state_dict(drafter.state_dict())
+    assert d.logit_transform == (0.5, 3.0)
+    h = torch.randn(3, 64)
+    z = target.get_output_embeddings()(h)
+    assert torch.allclose(d.logits(h), torch.tanh(0.5 * z / 3.0) * 3.0, atol=1e-6)
+    assert torch.allclose(d.embed(torch.tensor([5])), 2.0 * drafter.embed(torch.tensor([5])))
+    out = d(hs, ids, lm, anchors=ANCHORS, return_logits=True)
+    keep = out.labels != -100
+    wk = slot_weights(B).expand_as(out.labels)[keep]
+    want = (wk * F.cross_entropy(out.logits[keep], out.labels[keep], reduction='none')).sum() / wk.sum()
+    assert torch.allclose(out.loss, want, atol=1e-5) and out.logits.abs().max() <= 3.0
+    d.zero_grad(); out.loss.backward(retain_graph=True); g1 = d.fc.weight.grad.clone()
+    d.zero_grad(); want.backward(); g2 = d.fc.weight.grad.clone()                           # autograd through the returned logits
+    assert torch.allclose(g1, g2, atol=1e-6) and g1.abs().sum() > 0
+
+# --- is_causal ----------------------------------------------------------------------------------------
+
+MIXED = ['sliding_attention', 'full_attention']
+
+@pytest.mark.parametrize('flag', [None, True, False])
+def test_is_causal_sets_every_layer_in_training_and_drafting(setup, tmp_path, flag):
+    target, drafter, hs, ids, lm = setup
+    cfg = drafter_config(target.config, 2, B, drafter.mask_token_id, [1, 2], layer_types=MIXED, sliding_window=6, is_causal=flag)
+    assert cfg.causal_layers == ([True, False] if flag is None else [flag] * 2)
+    d = DFlashDraftModel(cfg).attach_target(target).eval(); d.load_state_dict(drafter.state_dict())
+    anchors = torch.tensor([[4, 9, 13, 16], [6, 8, 10, 13]])
+    ref = logits(d, hs, ids, lm, anchors)
+    for r in range(2):
+        cache, fed = d.new_cache(), 0
+        for j, a in enumerate(anchors[r].tolist()):
+            assert torch.allclose(d.draft(hs[r:r + 1, fed:a], ids[r, a], a, cache)[0], ref[r, j], atol=1e-4); fed = a
+    save_drafter(d, tmp_path)
+    j = json.loads((tmp_path / 'config.json').read_text())
+    assert j.get('is_causal', 'absent') == ('absent' if flag is None else flag)
+    assert j['dflash_config'].get('causal', 'absent') == ('absent' if flag is None else flag)   # vLLM's flag: mixed layers, none
+    back = DFlashDraftModel.from_pretrained(tmp_path).attach_target(target).eval()
+    assert back.config.causal_layers == cfg.causal_layers and torch.equal(logits(back, hs, ids, lm, anchors), ref)
+    if flag is not None:                                              # not the per-layer rule: some layer changed
+        rule = DFlashDraftModel(drafter_config(target.config, 2, B, drafter.mask_token_id, [1, 2], layer_types=MIXED, sliding_window=6))
+        rule.load_state_dict(drafter.state_dict())
+        assert not torch.allclose(logits(rule.attach_target(target).eval(), hs, ids, lm, anchors), ref, atol=1e-4)
+
+def test_causal_flag_for_servers():
+    sl = drafter_config(qwen3_target(100), 2, layer_types=['sliding_attention'] * 2, sliding_window=8)
+    assert sl.dflash_config['causal'] is True and sl.causal_layers == [True, True] and 'is_causal' not in sl.to_dict()
+    assert drafter_config(qwen3_target(100), 2, is_causal=True).dflash_config['causal'] is True
+    with pytest.warns(UserWarning, match='without a top-level is_causal'):    # a checkpoint whose flags disagree: the reference's rule, said
+        c = DFlashConfig(**{**sl.to_dict(), 'dflash_config': {**sl.dflash_config, 'causal': False}})
+    assert c.causal_layers == [True, True] and c.dflash_config['causal'] is True

@@ -297,7 +297,7 @@ def extract(*args, model=None, **kw):
                    layer_ids=job.layer_ids, compute_dtype=dtype_name(dt), store_dtype=store, budget=budget, auto=auto,
                    mem_limit_tokens=job.mem_limit_tokens, shard_bytes=int(job.shard_mb * 2**20), write_queue=job.write_queue,
                    threads=max(1, torch.get_num_threads() // n_workers) if not job.gpus and n_workers > 1 else None)
-        tr = Trackers(job.report_to, out, config=job.to_dict(), resume=not job.overwrite, resume_step=len(done))   # before any worker
+        tr = Trackers(job.report_to if todo else 'none', out, config=job.to_dict(), resume=not job.overwrite, resume_step=len(done))
         mon, ok = Monitor(out, sum(map(len, todo)), int(sum(lengths[b].sum() for b in todo)), job.log_every, job.progress, tr, len(done)), False
         try:
             if todo and n_workers == 1: _run_worker(0, dict(cfg, device='cuda:0' if job.gpus else 'cpu'), parts[0], mon, model)

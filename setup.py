@@ -16,6 +16,7 @@ lic = licenses[cfg['license'].lower()]
 min_python = cfg['min_python']
 requirements = shlex.split(cfg.get('requirements', ''))
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
+track_requirements = shlex.split(cfg.get('track_requirements', ''))
 console_scripts = cfg.get('console_scripts', '').split()
 
 setuptools.setup(
@@ -28,6 +29,6 @@ setuptools.setup(
     keywords=cfg['keywords'], url=cfg['git_url'],
     packages=setuptools.find_packages(include=['dflash', 'dflash.*']),
     include_package_data=True, install_requires=requirements,
-    extras_require={'dev': dev_requirements}, python_requires='>=' + min_python,
+    extras_require={'dev': dev_requirements, 'track': track_requirements}, python_requires='>=' + min_python,
     long_description=open('README.md', encoding='utf-8').read(), long_description_content_type='text/markdown',
     zip_safe=False, entry_points={'console_scripts': console_scripts, 'nbdev': [f'{cfg["lib_name"]}={cfg["lib_name"]}._modidx:d']})

@@ -18,6 +18,7 @@ from .taps import (capture, check_finite, pad_batch, text_config, check_layer_id
 from .data import TokenizedDataset, prepared, other_dataset
 from .batching import token_budget_batches, split_batches, DEFAULT_TOKEN_BUDGET, DEFAULT_MAX_BATCH_SIZE
 from .metrics import Monitor, plot_throughput
+from .track import Trackers, check_trackers, report_to_param
 from .shards import (ShardWriter, ExtractedDataset, open_out, read_manifest, update_manifest, shard_sample_ids, run_lock,
                            quantize_fp8)
 
@@ -231,6 +232,7 @@ class ExtractConfig(Job):
     mem_limit_tokens: int | None = param(None, 'treat batches over this many padded tokens as out of memory (testing)', min=1)
     log_every: float = param(2.0, 'seconds between metrics.jsonl lines', min=0)
     progress: bool = param(True, 'show a progress bar')
+    report_to: str = report_to_param()
 
     def check(self):
         if isinstance(self.token_budget, str) and self.token_budget != 'auto':
@@ -240,6 +242,7 @@ class ExtractConfig(Job):
         if self.out is None: self.set('out', str(RUNS / 'extract'), 'default')
         if not Path(self.data).exists(): raise FileNotFoundError(f'data: no such file or directory: {self.data}')
         if self.gpus and self.workers and self.workers != self.gpus: raise ValueError(f'workers={self.workers} with gpus={self.gpus}: workers is for CPU runs')
+        check_trackers(self.report_to)
         return self
 
 # %% ../nbs/extract.ipynb #de1f0063
@@ -294,11 +297,13 @@ def extract(*args, model=None, **kw):
                    layer_ids=job.layer_ids, compute_dtype=dtype_name(dt), store_dtype=store, budget=budget, auto=auto,
                    mem_limit_tokens=job.mem_limit_tokens, shard_bytes=int(job.shard_mb * 2**20), write_queue=job.write_queue,
                    threads=max(1, torch.get_num_threads() // n_workers) if not job.gpus and n_workers > 1 else None)
-        mon = Monitor(out, sum(map(len, todo)), int(sum(lengths[b].sum() for b in todo)), job.log_every, job.progress)
+        tr = Trackers(job.report_to if todo else 'none', out, config=job.to_dict(), resume=not job.overwrite, resume_step=len(done))
+        mon, ok = Monitor(out, sum(map(len, todo)), int(sum(lengths[b].sum() for b in todo)), job.log_every, job.progress, tr, len(done)), False
         try:
             if todo and n_workers == 1: _run_worker(0, dict(cfg, device='cuda:0' if job.gpus else 'cpu'), parts[0], mon, model)
             elif todo: _run_processes([dict(cfg, device=f'cuda:{r}' if job.gpus else 'cpu') for r in range(n_workers)], parts, mon)
-        finally: mon.close()
+            ok = True
+        finally: mon.close(); tr.close(ok)
         uniq, counts = np.unique(shard_sample_ids(out, read_manifest(out)), return_counts=True)
         if (counts > 1).any(): raise RuntimeError(f'{out}: sample {uniq[counts > 1][0]} was written twice')
         requested = bool(np.isin(np.arange(n), uniq).all())

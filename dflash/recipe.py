@@ -4,8 +4,9 @@
 
 # %% auto #0
 __all__ = ['RECIPE', 'DEMO', 'SLIDING', 'FULL', 'TrainConfig', 'rank_device', 'data_token_ids', 'resolve_mask_token',
-           'label_counts', 'frequent_labels', 'layer_type_list', 'is_hybrid', 'resolve_layer_types', 'adopt_checkpoint',
-           'init_config', 'check_weights', 'resolve_init_from', 'drafter_for', 'load_init', 'make_optimizer']
+           'label_counts', 'frequent_labels', 'layer_type_list', 'is_hybrid', 'resolve_layer_types', 'resolve_arch',
+           'adopt_checkpoint', 'init_config', 'check_weights', 'resolve_init_from', 'drafter_for', 'load_init',
+           'make_optimizer']
 
 # %% ../nbs/recipe.ipynb #16cd1c0e
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from .shards import ExtractedDataset
 from .publish import mask_token_choice
 from .taps import text_config, load_target_config, target_name, target_revision, config_sha256
 from .model import DFlashConfig, DFlashDraftModel, drafter_config
+from .dflash2 import DFlash2DraftModel, drafter_class
+from .track import check_trackers, report_to_param
 
 # %% ../nbs/recipe.ipynb #a868ef88
 # The published recipe, for a real target. Sources: SpecForge (sgl-project/SpecForge) scripts/train_dflash.py defaults
@@ -56,6 +59,10 @@ class TrainConfig(Job):
     layer_types: str | None = param(None, "drafter layers, comma-separated sliding_attention|full_attention (or sliding|full); "
                                     "None: all sliding but the last for a hybrid linear-attention target (published: 4 + 1), else all full")
     sliding_window: int | None = param(None, "context tokens a sliding layer reads; None: 2048 (the published Qwen3.6-27B drafter's)", min=1)
+    arch: str = param('dflash', "dflash, or dflash2: convolutions around each sublayer and a candidate selector (it starts as an exact copy of a "
+                      "DFlash drafter); on a hybrid target the published Qwen3.8-27B layout: block 8, every layer sliding, is_causal false",
+                      choices=('dflash', 'dflash2'))
+    is_causal: bool | None = param(None, "every layer causal inside the block (true) or none (false); None: sliding layers causal, full ones not")
     init_from: str | None = param(None, "a drafter checkpoint (ours or the published layout) to fine-tune; settings left unset come from it")
     num_anchors: int | None = param(None, 'anchors (blocks) per sequence per step; None: 512 (recipe), 16 (demo)', min=1)
     token_budget: int | None = param(None, 'padded tokens per batch (targets and drafters); None: 16384 (recipe), 1024 (demo)', min=1)
@@ -69,6 +76,10 @@ class TrainConfig(Job):
     min_lr_ratio: float | None = param(None, 'final lr / peak lr of the cosine; None: 0 (recipe), 0.1 (demo)', min=0, max=1)
     warmup: float | None = param(None, 'warmup: a fraction of the steps (< 1) or a number of steps; None: 0.04 (recipe), 0.05 (demo)', min=0)
     weight_decay: float | None = param(None, 'AdamW weight decay; None: 0 (recipe), 0.01 (demo)', min=0)
+    loss: str = param('decay', "the slots' weights: decay (exp(-(k-1)/gamma)) or dpace (from the drafter's own confidence, arXiv 2605.18810)",
+                      choices=('decay', 'dpace'))
+    dpace_alpha: float = param(0.5, "D-PACE's smoothing of the confidence q: (1 - alpha) q + alpha", min=0, max=1)
+    selector_alpha: float = param(1.0, "DFlash2: the weight of the selector's cross-entropy in the loss", min=0)
     optimizer: str = param('adamw', "adamw, or muon: Muon for the layers' 2-D weights and fc (lr matched to AdamW's update size), AdamW for the rest",
                            choices=('adamw', 'muon'))
     train_vocab: int | None = param(None, "the loss scores only the K most frequent label tokens of the training data (and each batch's "
@@ -88,6 +99,10 @@ class TrainConfig(Job):
     eval_data: str | None = param(None, 'prompt files for tau, comma-separated; None: the embedded held-out split')
     eval_prompts: int | None = param(None, 'prompts per evaluation file; None: 16 (recipe), 8 (demo)', min=1)
     eval_max_new_tokens: int | None = param(None, 'tokens decoded per prompt; None: 256 (recipe), 64 (demo)', min=1)
+    eval_temperature: float = param(0.0, 'the lossless loop also samples at this temperature (eval_top_p, eval_top_k); 0: greedy only', min=0)
+    eval_top_p: float = param(1.0, 'top_p of the sampled lossless loop', gt=0, max=1)
+    eval_top_k: int = param(0, 'top_k of the sampled lossless loop (0: all)', min=0)
+    report_to: str = report_to_param()
     final_eval: bool = param(True, 'measure tau (and the n-gram baseline) at the end')
     verify: bool = param(True, "offline: check each shard's sha256 once, before its data is used")
     compile: bool = param(False, 'torch.compile the drafter (dynamic shapes); off: it did not pay on CPU, `make gpu-check` measures it on a GPU')
@@ -140,6 +155,7 @@ class TrainConfig(Job):
             raise FileNotFoundError(f'extracted: {self.extracted} is not an extraction (no manifest.json)')
         if self.nnodes > 1 and not self.rdzv_endpoint: raise ValueError(f'nnodes={self.nnodes}: give rdzv_endpoint=HOST:PORT (the same on every machine)')
         if self.world % self.nnodes: raise ValueError(f'{self.world} ranks do not split evenly over nnodes={self.nnodes}')
+        check_trackers(self.report_to)
         return self
 
     def roles(self):
@@ -219,12 +235,23 @@ def resolve_layer_types(cfg, target_config):
         raise ValueError(f'sliding_window={cfg.sliding_window}: no layer of layer_types={cfg.layer_types!r} is sliding')
     return types
 
+def resolve_arch(cfg, target_config):
+    """DFlash2 on a real hybrid target takes the published Qwen3.8-27B drafter's layout where the run leaves it open: block 8, every layer
+    sliding (window 2048), `is_causal` false. The embedded demo keeps its own small settings."""
+    if cfg.arch != 'dflash2' or cfg.demo or not is_hybrid(target_config): return
+    why, open_ = 'recipe: the published Qwen3.8-27B DFlash2 drafter', lambda k: cfg.origins.get(k, 'default') == 'default' or cfg.origins[k].startswith('recipe')
+    if open_('block_size'): cfg.set('block_size', 8, why)
+    if cfg.layer_types is None: cfg.set('layer_types', ','.join([SLIDING] * cfg.num_layers), why)
+    if open_('is_causal') and cfg.is_causal is None: cfg.set('is_causal', False, why)
+
 def adopt_checkpoint(cfg, old):
     "On resume: the mask token and layers the checkpoint's run had (`old`: its config), where this run leaves them unset."
     if cfg.mask_token_id is None and old.get('mask_token_id') is not None: cfg.set('mask_token_id', old['mask_token_id'], "the checkpoint's")
     if cfg.layer_types is None:   # a run from before layer types had full attention in every layer
         cfg.set('layer_types', old.get('layer_types') or ','.join([FULL] * cfg.num_layers), "the checkpoint's")
     if cfg.sliding_window is None and old.get('sliding_window'): cfg.set('sliding_window', old['sliding_window'], "the checkpoint's")
+    for k in ('block_size', 'is_causal'):                 # what `resolve_arch` chose for the run that wrote it
+        if k in old and cfg.origins.get(k, 'default') != 'given' and getattr(cfg, k) != old[k]: cfg.set(k, old[k], "the checkpoint's")
 
 # %% ../nbs/recipe.ipynb #b15f8912
 def init_config(path):
@@ -234,18 +261,21 @@ def init_config(path):
     if not (p / 'model.safetensors').is_file(): raise FileNotFoundError(f'init_from: {p} holds no model.safetensors')
     c = DFlashConfig.from_pretrained(p)
     if not c.target_layer_ids: raise ValueError(f'init_from: {p}/config.json is not a DFlash drafter (no dflash_config.target_layer_ids)')
+    if not {'DFlashDraftModel', 'DFlash2DraftModel'} & set(c.architectures or []):
+        raise ValueError(f'init_from: {p}/config.json is a {c.architectures} checkpoint: this trains DFlashDraftModel and DFlash2DraftModel drafters')
     return c
 
 def _checkpoint_settings(c):
     return dict(num_layers=c.num_hidden_layers, block_size=c.block_size, layer_ids=c.target_layer_ids, mask_token_id=c.mask_token_id,
-                layer_types=','.join(c.layer_types), sliding_window=c.sliding_window if SLIDING in c.layer_types else None)
+                layer_types=','.join(c.layer_types), sliding_window=c.sliding_window if SLIDING in c.layer_types else None,
+                arch='dflash2' if drafter_class(c) is DFlash2DraftModel else 'dflash', is_causal=getattr(c, 'is_causal', None))
 
 def check_weights(c, path):
     """The tensors of `path/model.safetensors` are those of a drafter of config `c`, by name and shape, and every one of them is
     readable and finite (a NaN or inf tensor, or a truncated file, is refused, naming it)."""
     from safetensors import safe_open
     f = Path(path) / 'model.safetensors'
-    with torch.device('meta'): want = {k: tuple(v.shape) for k, v in DFlashDraftModel(c).state_dict().items()}
+    with torch.device('meta'): want = {k: tuple(v.shape) for k, v in drafter_class(c)(c).state_dict().items()}
     try:
         with safe_open(f, 'pt') as fh:
             have = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
@@ -268,6 +298,7 @@ def resolve_init_from(cfg, target_config):
     for k, its in _checkpoint_settings(c).items():
         ours = getattr(cfg, k)
         if cfg.origins.get(k) != 'given': cfg.set(k, its, f"init_from {p}'s")
+        elif k == 'arch' and (ours, its) == ('dflash2', 'dflash'): pass   # a DFlash2 run starts from a DFlash drafter (an exact copy)
         elif ours != its:                        # layer_types: one spelling on both sides (`TrainConfig.check`, `_checkpoint_settings`)
             raise ValueError(f'init_from: {p} has {k}={its!r}; this run has {k}={ours!r}: leave {k} unset to take the checkpoint\'s')
     if not cfg.online and (ids := ExtractedDataset(cfg.extracted).layer_ids) != cfg.layer_ids:
@@ -278,7 +309,8 @@ def resolve_init_from(cfg, target_config):
 
 # %% ../nbs/recipe.ipynb #98276ed1
 def drafter_for(cfg, mask_token_id):
-    "The `DFlashConfig` of the run's drafter: its `init_from` checkpoint's, else one made for the target from the run's settings."
+    """The `DFlashConfig` of the run's drafter: its `init_from` checkpoint's, else one made for the target from the run's settings. A
+    DFlash2 run starts from a DFlash drafter's config (the trainer copies that drafter into a DFlash2, `DFlash2DraftModel.from_dflash`)."""
     tcfg = load_target_config(cfg.target)
     ids = dict(target_model=target_name(cfg.target), target_revision=target_revision(cfg.target), target_config_sha256=config_sha256(tcfg))
     if cfg.init_from:
@@ -286,11 +318,11 @@ def drafter_for(cfg, mask_token_id):
         c.__dict__.pop('auto_map', None)                  # its remote code is not saved beside ours
         return c
     return drafter_config(tcfg, cfg.num_layers, cfg.block_size, mask_token_id, cfg.layer_ids, layer_types=cfg.layer_types and layer_type_list(cfg.layer_types),
-                          sliding_window=cfg.sliding_window, **ids)
+                          sliding_window=cfg.sliding_window, is_causal=cfg.is_causal, **ids)
 
 def load_init(model, path):
     "Copy every tensor of the drafter saved in `path` into `model`; returns `model`."
-    src, info = DFlashDraftModel.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    src, info = drafter_class(path).from_pretrained(path, dtype=torch.float32, output_loading_info=True)
     if info['missing_keys'] or info['unexpected_keys']:
         raise ValueError(f"init_from: {path}: missing {info['missing_keys'][:3]}, unexpected {info['unexpected_keys'][:3]}")
     model.load_state_dict(src.state_dict())

@@ -23,13 +23,15 @@ from .batching import Plan, sources, served
 from .shards import ExtractedDataset, OfflineSource, check_extraction
 from .extract import extract
 from .model import DFlashDraftModel, anchor_generator, feature_scale_of
+from .dflash2 import DFlash2DraftModel, drafter_class
+from .track import Trackers
 from .publish import save_drafter, model_card, mask_token_for
 from .evaluate import TauProbe, NgramDrafter, tau_table, load_prompts
 from .dist import Coord, HSSender, OnlineSource, launch, peer_lost, store_from_env
 from .validate import Validator
 from .metrics import Meter, follow, progress_line, val_line
 from .recipe import (TrainConfig, rank_device, resolve_mask_token, resolve_layer_types, resolve_init_from, drafter_for, load_init,
-                           adopt_checkpoint, make_optimizer, frequent_labels)
+                           adopt_checkpoint, make_optimizer, frequent_labels, resolve_arch)
 from .balance import auto_split
 
 # %% ../nbs/train.ipynb #cf231419
@@ -111,10 +113,11 @@ def save_checkpoint(out, step, model, state, keep=2):
     return final
 
 # %% ../nbs/train.ipynb #ce169dce
-SHAPE_KEYS = ('target', 'num_layers', 'layer_ids')      # the drafter's tensors change: no checkpoint of the old shape loads
+SHAPE_KEYS = ('target', 'num_layers', 'layer_ids', 'arch')      # the drafter's tensors change: no checkpoint of the old shape loads
 RESUME_KEYS = ('target', 'num_layers', 'block_size', 'layer_ids', 'mask_token_id', 'num_anchors', 'token_budget', 'max_batch_size',
                'max_samples', 'epochs', 'max_steps', 'grad_accum', 'lr', 'min_lr_ratio', 'warmup', 'weight_decay', 'clip', 'seed',
-               'layer_types', 'sliding_window', 'init_from', 'optimizer', 'train_vocab', 'precondition')
+               'layer_types', 'sliding_window', 'init_from', 'optimizer', 'train_vocab', 'precondition',
+               'arch', 'is_causal', 'loss', 'dpace_alpha', 'selector_alpha')
 
 def _resume_changes(ck, st, cfg, data_sha256):
     "What differs between the run that wrote checkpoint `ck` and `cfg`: refused unless `cfg.resume_changes` names it."
@@ -140,16 +143,22 @@ class Trainer:
         self.main, self.out = d == 0, Path(cfg.out)
         if self.main: self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
-        self.model = DFlashDraftModel(drafter_for(cfg, mask_token_id)).to(device)
+        c = drafter_for(cfg, mask_token_id)
+        self.model = drafter_class(c)(c).to(device)
         emb, head = io or load_target_io(cfg.target, torch.bfloat16 if device.type == 'cuda' else torch.float32, device)
         self.model.attach_target(embed_tokens=emb, lm_head=head)
         if vocab is None and cfg.train_vocab: vocab = frequent_labels(cfg, head.weight.shape[0])[0]
         self.vocab = None if vocab is None else vocab.to(device)
-        self.opt, self.sched = make_optimizer(self.model, cfg, lambda s: lr_factor(s, plan.total_steps, cfg.warmup, cfg.min_lr_ratio))
         self.step, self.tokens, self.skipped, self.resumed_from, self.scaled = 0, 0, 0, None, not cfg.precondition
         if cfg.precondition: self.model.feature_scale = torch.ones(self.model.fc.in_features, device=device)   # measured on the first batch
-        if cfg.resume and (ck := latest_checkpoint(cfg.out)) is not None: self._load(ck)
-        elif cfg.init_from: load_init(self.model, cfg.init_from)
+        ck = latest_checkpoint(cfg.out) if cfg.resume else None
+        if ck is None and cfg.init_from: load_init(self.model, cfg.init_from)
+        if cfg.arch == 'dflash2' and not isinstance(self.model, DFlash2DraftModel):   # a DFlash2 starts as an exact copy of a DFlash drafter
+            self.model = DFlash2DraftModel.from_dflash(self.model)
+        self.opt, self.sched = make_optimizer(self.model, cfg, lambda s: lr_factor(s, plan.total_steps, cfg.warmup, cfg.min_lr_ratio))
+        if ck is not None: self._load(ck)
+        self.trackers = Trackers(cfg.report_to if self.main else 'none', cfg.out, config=cfg.to_dict(), resume=self.resumed_from is not None,
+                                 resume_step=self.step)
         if cfg.compile: self.model.compile(dynamic=True)     # in place: parameter names, hence checkpoints, unchanged
         self.ddp = None
         if group is not None and cfg.drafters > 1:
@@ -204,7 +213,8 @@ def _micro_step(self, item, last):
     net = self.ddp or self.model
     with (self.ddp.no_sync() if self.ddp is not None and not last else nullcontext()), self.autocast:
         o = net(item['hidden_states'], item['input_ids'], item['loss_mask'], num_anchors=self.cfg.num_anchors,
-                generator=anchor_generator(self.cfg.seed, self.d, item['p']), vocab=self.vocab)
+                generator=anchor_generator(self.cfg.seed, self.d, item['p']), vocab=self.vocab,
+                loss=self.cfg.loss, dpace_alpha=self.cfg.dpace_alpha, selector_alpha=self.cfg.selector_alpha)
     (o.loss / self.cfg.grad_accum).backward()
     return o
 
@@ -242,12 +252,13 @@ def _log(self, meter, source, tstat_last):
         mem = {f'd{self.d}': peak_mem_bytes(self.device), **{f't{r}': s['mem'] for r, s in ts.items()}}
         dt = t['seconds']
         m = dict(step=self.step, loss=t['loss'] / max(t['micro'], 1), acc=t['acc'], lr=self.sched.get_last_lr()[0],
+                 **{k: t[k] for k in ('candidate_recall', 'unary_acc') if k in t},
                  tokens_per_s=t['tokens'] / dt, tokens=self.tokens, q_hs=t['q'] / D, target_batches_per_s=tb / dt if cfg.online else None,
                  drafter_batches_per_s=t['micro'] / dt, eta_s=(self.plan.total_steps - self.step) * dt / max(meter.steps, 1),
                  peak_mem_bytes=max(mem.values()), mem=mem, drafter_idle=t['wait_s'] / D / dt,
                  target_idle=float(np.mean(tidle)) if tidle else None,
                  q_capacity=cfg.q_depth * math.ceil(cfg.targets / D) if cfg.online else cfg.q_depth, time=time.time())
-        append_jsonl(self.out / 'metrics.jsonl', m)
+        append_jsonl(self.out / 'metrics.jsonl', m); self.trackers.log(m, self.step)
         print(progress_line(m, self.plan.total_steps), flush=True)
     meter.reset(source.wait_s)
 
@@ -367,12 +378,13 @@ def run_drafter(cfg, coord, d, plan, ds, device, group, pg, stop):
     probe = TauProbe(cfg.target, cfg.eval_data, cfg.eval_prompts, cfg.eval_max_new_tokens, cfg.dtype, device) if d == 0 else None
     def tau(trainer):
         t0 = time.time(); t, _ = probe(trainer.model)
-        append_jsonl(trainer.out / 'metrics.jsonl', dict(step=trainer.step, tau=t, eval_s=time.time() - t0, time=time.time()))
+        rec = dict(step=trainer.step, tau=t, eval_s=time.time() - t0, time=time.time())
+        append_jsonl(trainer.out / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
     validator = (Validator(cfg.val_extracted, cfg.out, cfg.token_budget, cfg.val_anchors, cfg.val_samples, cfg.eval_max_new_tokens, cfg.seed)
                  if d == 0 and cfg.val_extracted else None)
     def validate(trainer):
         rec = validator(trainer.model, trainer.step)
-        append_jsonl(trainer.out / 'metrics.jsonl', rec); print(val_line(rec), flush=True)
+        append_jsonl(trainer.out / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step); print(val_line(rec), flush=True)
     if d == 0:
         coord.set('start_micro', start)
         write_json_atomic(Path(cfg.out) / 'run.json', dict(config=cfg.to_dict(), total_steps=plan.total_steps, start_step=trainer.step,
@@ -380,10 +392,11 @@ def run_drafter(cfg, coord, d, plan, ds, device, group, pg, stop):
     if cfg.online: coord.barrier('start', range(cfg.world))   # targets read start_micro after this
     src = (OnlineSource(coord, pg, d, cfg.targets, cfg.drafters, start, plan.total_micro, device) if cfg.online
            else OfflineSource(ds, plan, d, start, plan.total_micro, device, depth=cfg.q_depth))
-    stopped = trainer.run(src, stop.is_set, tau if probe else None, validate if validator else None)
-    res = dict(step=trainer.step, total_steps=plan.total_steps, stopped=stopped, out=cfg.out)
-    if stopped: coord.request_stop(stopped)
-    if d == 0 and not stopped: res.update(_publish(cfg, trainer, probe, device, validator))
+    with trainer.trackers:
+        stopped = trainer.run(src, stop.is_set, tau if probe else None, validate if validator else None)
+        res = dict(step=trainer.step, total_steps=plan.total_steps, stopped=stopped, out=cfg.out)
+        if stopped: coord.request_stop(stopped)
+        if d == 0 and not stopped: res.update(_publish(cfg, trainer, probe, device, validator))
     if d == 0: write_json_atomic(Path(cfg.out) / 'result.json', res)
     return res
 
@@ -391,7 +404,7 @@ def _chosen(cfg, trainer, validator, device):
     "`(drafter to publish, what the card says of it)`: the best by held-out acceptance (a plain drafter from its copy), else the last step's."
     if validator is None or validator.best is None: return trainer.model, ''
     b, last = validator.best, trainer.step
-    model = DFlashDraftModel.from_pretrained(validator.dir).to(device)
+    model = drafter_class(validator.dir).from_pretrained(validator.dir).to(device)
     model.attach_target(embed_tokens=trainer.model._io()[0], lm_head=trainer.model._io()[1])
     return model, (f" Published: the step-{b['step']} drafter, the best of the run by held-out acceptance (simulated tau {b['val_tau']:.3f} "
                    f"+- {b['val_tau_se']:.3f} on {b['val_sequences']} held-out conversations of the target's own replies"
@@ -404,33 +417,45 @@ def _publish(cfg, trainer, probe, device, validator=None):
     if bad := [k for k, v in model.served_state_dict().items() if not torch.isfinite(v).all()]:
         raise FloatingPointError(f'the drafter to publish has non-finite weights ({", ".join(bad[:3])}): nothing is saved in {cfg.out}/drafter')
     path = save_drafter(model, Path(cfg.out) / 'drafter', None if cfg.demo else torch.bfloat16)
-    res, taus, measured = dict(drafter=str(path)), {}, ''
+    res, taus, measured, sampled = dict(drafter=str(path)), {}, '', None
     if validator is not None and validator.best:
         res.update(best_step=validator.best['step'], val_tau=validator.best['val_tau'], val_tau_se=validator.best['val_tau_se'])
     if cfg.final_eval:
         t0 = time.time(); (t, r), (tn, rn) = probe(model), probe(NgramDrafter())
         lossless = all(x['lossless'] for x in [*r.values(), *rn.values()])
         res.update(tau=t, tau_ngram=tn, lossless=lossless, tau_by_file={f: x['tau'] for f, x in r.items()})
-        append_jsonl(Path(cfg.out) / 'metrics.jsonl', dict(step=res.get('best_step', trainer.step), tau=t, tau_ngram=tn, lossless=lossless,
-                                                           eval_s=time.time() - t0, time=time.time(), final=True))
-        table = tau_table({f: {'dflash': r[f], 'ngram': rn[f]} for f in r})
+        rec = dict(step=res.get('best_step', trainer.step), tau=t, tau_ngram=tn, lossless=lossless, eval_s=time.time() - t0, time=time.time(), final=True)
+        append_jsonl(Path(cfg.out) / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
+        results = {f: {'dflash': r[f], 'ngram': rn[f]} for f in r}
+        if cfg.eval_temperature > 0:                     # the same prompts sampled, as served at that temperature
+            hot = TauProbe(cfg.target, cfg.eval_data, cfg.eval_prompts, cfg.eval_max_new_tokens, cfg.dtype, device, cfg.eval_temperature,
+                           cfg.eval_top_p, cfg.eval_top_k, cfg.seed)
+            hot.target, hot.sets = probe.target, probe.sets                    # one target, its greedy decodes measure nothing here
+            (ts, rs), (tns, rns) = hot(model), hot(NgramDrafter())
+            res.update(tau_sampled=ts, tau_ngram_sampled=tns, eval_temperature=cfg.eval_temperature)
+            for f in results: results[f].update({f'dflash T={cfg.eval_temperature:g}': rs[f], f'ngram T={cfg.eval_temperature:g}': rns[f]})
+        table = tau_table(results)
         print(table, flush=True)
         taus = {'DFlash drafter': t, 'n-gram prompt lookup (same loop)': tn}
-        measured = (f"Greedy speculative decoding of {cfg.eval_prompts} prompts of each of `{cfg.eval_data}`, {cfg.eval_max_new_tokens} new "
+        sampled = {'DFlash drafter': res['tau_sampled'], 'n-gram prompt lookup (same loop)': res['tau_ngram_sampled']} if 'tau_sampled' in res else None
+        measured = (f"Greedy speculative decoding" + (f' (and sampled at temperature {cfg.eval_temperature:g}, top_p {cfg.eval_top_p:g}, top_k {cfg.eval_top_k})'
+                    if sampled else '') + f" of {cfg.eval_prompts} prompts of each of `{cfg.eval_data}`, {cfg.eval_max_new_tokens} new "
                     f"tokens each, at the end of training; the same measurement: `dflash_evaluate --target {target_name(cfg.target)} --drafter "
                     f"PATH --eval-data {cfg.eval_data} --num-prompts {cfg.eval_prompts} --max-new-tokens {cfg.eval_max_new_tokens}`.\n\n```\n{table}\n```")
     data = f'the extraction `{cfg.extracted}` (offline)' if not cfg.online else f'`{cfg.data}` (online, {cfg.targets} target ranks)'
     start = f'Fine-tuned from the drafter `{cfg.init_from}`: ' if cfg.init_from else 'From random weights: '
-    levers = ', '.join(filter(None, [cfg.optimizer if cfg.optimizer != 'adamw' else 'AdamW', cfg.train_vocab and f'a training vocabulary of {cfg.train_vocab} tokens',
+    levers = ', '.join(filter(None, [cfg.arch == 'dflash2' and f'DFlash2 (selector weight {cfg.selector_alpha})',
+                                     f'the {"D-PACE (alpha " + str(cfg.dpace_alpha) + ")" if cfg.loss == "dpace" else "decay"} loss',
+                                     cfg.optimizer if cfg.optimizer != 'adamw' else 'AdamW', cfg.train_vocab and f'a training vocabulary of {cfg.train_vocab} tokens',
                                      cfg.precondition and 'preconditioned taps']))
     model_card(path, start + f'{trainer.step} optimizer steps, {trainer.tokens} tokens, on {data}, with dflash: {cfg.drafters} drafter ranks, '
                      f'lr {cfg.lr}, {cfg.num_anchors} anchors per sequence, token budget {cfg.token_budget}, seed {cfg.seed}, {levers}.' + chosen,
-               taus, measured)
+               taus, measured, cfg.eval_temperature if sampled else None, sampled)
     return res
 
 # %% ../nbs/train.ipynb #4f921c9f
 RUN_FILES = ('metrics.jsonl', 'checkpoints', 'drafter', 'result.json', 'run.json', 'logs', 'val', 'loss.png', 'accuracy.png', 'throughput.png',
-             'queue.png', 'dashboard.png')
+             'queue.png', 'dashboard.png', 'trackers.json', 'tensorboard', 'wandb', 'mlruns')
 
 def _validation(cfg, out):
     "The validation split as an extraction of the run's taps: `val_extracted` as given (checked), or `val_data` extracted into `out/val` once."
@@ -454,6 +479,7 @@ def prepare_job(cfg):
     cfg.target = target_name(cfg.target)
     tcfg = load_target_config(cfg.target); L = text_config(tcfg).num_hidden_layers
     if cfg.init_from: resolve_init_from(cfg, tcfg)                   # before any default: unset settings are the checkpoint's
+    resolve_arch(cfg, tcfg)
     if cfg.layer_ids is None and not cfg.online: cfg.set('layer_ids', ExtractedDataset(cfg.extracted).layer_ids, "the extraction's")
     if cfg.layer_ids is None: cfg.set('layer_ids', default_layer_ids(L, cfg.num_layers), f'the DFlash rule for {cfg.num_layers} drafter layers')
     check_layer_ids(cfg.layer_ids, L)

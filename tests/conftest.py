@@ -107,3 +107,38 @@ def smol(tmp_path_factory):
     with FileLock(str(root / 'real' / 'convert.lock')):
         if not (d / 'gguf.json').exists(): gguf_to_dir(smollm2_gguf(), d)   # written whole (a folder renamed into place) or not at all
     return d
+
+
+def write_published_dflash2(path, tok, H=64, n=3, taps_=(1, 3, 5), num_target_layers=8):
+    """A DFlash2 checkpoint in `path` as z-lab publishes one, written by hand (nothing of ours): bare codebook names, `is_causal`
+    false, every layer sliding (window 9), block 8, bf16, random weights. Returns its tensors."""
+    import json
+    from pathlib import Path
+    from safetensors.torch import save_file
+    taps_ = list(taps_)
+    I, heads, kvh, d, V = 96, 4, 2, H // 4, len(tok)
+    cfg = {"architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": H, "intermediate_size": I, "num_hidden_layers": n,
+           "num_attention_heads": heads, "num_key_value_heads": kvh, "head_dim": d, "vocab_size": V, "rms_norm_eps": 1e-6,
+           "max_position_embeddings": 4096, "hidden_act": "silu", "attention_bias": False, "dtype": "bfloat16",
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000000}, "tie_word_embeddings": False,
+           "layer_types": ["sliding_attention"] * n, "use_sliding_window": True, "sliding_window": 9, "is_causal": False, "num_target_layers": num_target_layers,
+           "dflash_config": {"block_size": 8, "mask_token_id": tok.mask_token_id, "target_layer_ids": taps_, "conv_kernel_size": 2,
+                             "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}}
+    G = H // 16
+    shapes = {'fc.weight': (H, len(taps_) * H), 'hidden_norm.weight': (H,), 'norm.weight': (H,),
+              'candidate_selector.predecessor_codebook': (V, 8), 'candidate_selector.successor_codebook': (V, 8),
+              'candidate_selector.hidden_projection.weight': (8, H)}
+    for i in range(n):
+        shapes.update({f'layers.{i}.self_attn.q_proj.weight': (heads * d, H), f'layers.{i}.self_attn.k_proj.weight': (kvh * d, H),
+                       f'layers.{i}.self_attn.v_proj.weight': (kvh * d, H), f'layers.{i}.self_attn.o_proj.weight': (H, heads * d),
+                       f'layers.{i}.self_attn.q_norm.weight': (d,), f'layers.{i}.self_attn.k_norm.weight': (d,),
+                       f'layers.{i}.mlp.gate_proj.weight': (I, H), f'layers.{i}.mlp.up_proj.weight': (I, H), f'layers.{i}.mlp.down_proj.weight': (H, I),
+                       f'layers.{i}.input_layernorm.weight': (H,), f'layers.{i}.post_attention_layernorm.weight': (H,)})
+        for c in ('attention_conv', 'mlp_conv'):
+            shapes.update({f'layers.{i}.{c}.base_kernel': (2, 2, H), f'layers.{i}.{c}.kernel_projection.weight': (2 * 2 * G, H)})
+    g = torch.Generator().manual_seed(0)
+    tensors = {k: (torch.randn(s, generator=g) * (1.0 if 'codebook' in k or 'norm' in k or 'base' in k else 0.15)).to(torch.bfloat16)
+               for k, s in shapes.items()}
+    (Path(path) / 'config.json').write_text(json.dumps(cfg))
+    save_file(tensors, Path(path) / 'model.safetensors', metadata={'format': 'pt'})
+    return tensors

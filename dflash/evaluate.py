@@ -206,8 +206,11 @@ class DFlashDrafter:
         return torch.multinomial(q, 1, generator=generator)[:, 0].tolist(), q
 
 def load_drafter(path, target):
-    "The DFlash or DFlash2 drafter saved in `path`, with `target` attached, on its device and in its dtype."
+    "The DFlash or DFlash2 drafter saved in `path`, with `target` attached, on its device and in its dtype; non-finite weights are refused."
     model = drafter_class(path).from_pretrained(path)
+    if bad := [k for k, v in model.state_dict().items() if not torch.isfinite(v).all()]:
+        raise ValueError(f'drafter: {Path(path) / "model.safetensors"} holds non-finite weights (NaN or inf) in {", ".join(bad[:3])}'
+                         + (f' and {len(bad) - 3} more' if len(bad) > 3 else '') + ': a run whose loss diverged? It would draft nothing')
     return model.to(device=target.device, dtype=target.dtype).attach_target(target).eval()
 
 # %% ../nbs/evaluate.ipynb #9ea039da
@@ -261,7 +264,7 @@ def spec_decode(target, drafter, prompt, max_new_tokens=64, eos_token_id=None, b
             if layer_ids is not None: taps = tapped(hooked, layer_ids)[:, :acc + 1]
             new = draft[:acc] + [nxt]
             if any(t in eos for t in new): new = new[:next(i for i, t in enumerate(new) if t in eos) + 1]
-            tokens += new; steps.append((acc, len(draft)))
+            tokens += new; steps.append((len(new) - 1, len(draft)))   # drafts accepted past an EOS commit nothing
             if acc < len(draft): rollback(target, cache, snap, block[:acc + 1], o.hidden_states)
     return tokens[P:], steps
 

@@ -101,3 +101,12 @@ def test_full_disk_at_the_first_checkpoint_says_none_is_kept(w, tmp_path):
     assert r.returncode == 1 and 'the disk is full' in r.stderr and 'model.safetensors' in r.stderr, r.stderr[-2000:]
     assert 'No checkpoint of this run is complete yet' in r.stderr and 'is kept' not in r.stderr
     assert latest_checkpoint(tmp_path / 'run') is None and not list((tmp_path / 'run' / 'checkpoints').glob('.step-*'))
+
+
+def test_evaluate_refuses_a_drafter_with_non_finite_weights(w, tmp_path):
+    "A NaN drafter drafts nothing, so the loop would report tau 1.00 and 'lossless': refused instead, naming the tensor and the file."
+    from dflash.evaluate import evaluate_cli
+    ck = broken(w, tmp_path, 'nan')
+    err = fails(evaluate_cli, '--target', w / 'target', '--drafter', ck, '--out', tmp_path / 'ev', '--num-prompts', '1', '--max-new-tokens', '4',
+                msg=f'drafter: {ck}/model.safetensors holds non-finite weights (NaN or inf) in layers.0.')
+    assert not (tmp_path / 'ev' / 'results.json').exists()

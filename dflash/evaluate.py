@@ -5,8 +5,9 @@
 # %% auto #0
 __all__ = ['load_prompts', 'croppable', 'crop', 'snapshot', 'restore', 'recurrent_mixers', 'rollback', 'eos_ids', 'greedy_decode',
            'sampling_probs', 'Sampling', 'sample_decode', 'ngram_propose', 'NgramDrafter', 'DFlashDrafter',
-           'load_drafter', 'speculative_sample', 'spec_decode', 'greedy_reference', 'evaluate_many', 'evaluate',
-           'step_costs', 'plot_results', 'TauProbe', 'EvalConfig', 'tau_table', 'evaluate_job', 'evaluate_cli']
+           'finite_weights', 'load_drafter', 'speculative_sample', 'spec_decode', 'greedy_reference', 'evaluate_many',
+           'evaluate', 'step_costs', 'plot_results', 'TauProbe', 'EvalConfig', 'tau_table', 'evaluate_job',
+           'evaluate_cli']
 
 # %% ../nbs/evaluate.ipynb #f0d0c76d
 import time, warnings
@@ -205,12 +206,17 @@ class DFlashDrafter:
         q = warp(self.model.draft(*self._inputs(tokens, taps))[0, :k])
         return torch.multinomial(q, 1, generator=generator)[:, 0].tolist(), q
 
+def finite_weights(path):
+    "Refuse the drafter saved in `path` if a tensor holds NaN or inf, naming them: it would draft nothing and still look lossless."
+    from safetensors import safe_open
+    with safe_open(Path(path) / 'model.safetensors', 'pt') as f: bad = [k for k in f.keys() if not torch.isfinite(f.get_tensor(k).float()).all()]
+    if bad: raise ValueError(f'drafter: {Path(path) / "model.safetensors"} holds non-finite weights (NaN or inf) in {", ".join(bad[:3])}'
+                             + (f' and {len(bad) - 3} more' if len(bad) > 3 else '') + ': a run whose loss diverged? It would draft nothing')
+    return path
+
 def load_drafter(path, target):
-    "The DFlash or DFlash2 drafter saved in `path`, with `target` attached, on its device and in its dtype; non-finite weights are refused."
-    model = drafter_class(path).from_pretrained(path)
-    if bad := [k for k, v in model.state_dict().items() if not torch.isfinite(v).all()]:
-        raise ValueError(f'drafter: {Path(path) / "model.safetensors"} holds non-finite weights (NaN or inf) in {", ".join(bad[:3])}'
-                         + (f' and {len(bad) - 3} more' if len(bad) > 3 else '') + ': a run whose loss diverged? It would draft nothing')
+    "The DFlash or DFlash2 drafter saved in `path` (its weights finite), with `target` attached, on its device and in its dtype."
+    model = drafter_class(finite_weights(path)).from_pretrained(path)
     return model.to(device=target.device, dtype=target.dtype).attach_target(target).eval()
 
 # %% ../nbs/evaluate.ipynb #9ea039da
@@ -481,7 +487,7 @@ def evaluate_job(*args, **kw):
     job = args[0] if args and isinstance(args[0], Job) else EvalConfig(*args, **kw)
     out = claim_out(job.out, job)
     print(job.announce())
-    if job.drafter: check_drafter(DFlashDraftModel.config_class.from_pretrained(job.drafter), load_target_config(job.target), job.target)
+    if job.drafter: finite_weights(job.drafter); check_drafter(DFlashDraftModel.config_class.from_pretrained(job.drafter), load_target_config(job.target), job.target)
     tok = load_tokenizer(job.target)
     sets = {f: load_prompts(tok, f, job.num_prompts) for f in job.files}      # every file checked before any model loads
     target = load_target(job.target, job.dtype)

@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['SLIDING', 'FULL', 'GAMMA', 'DFlashConfig', 'drafter_config', 'DFlashAttention', 'DFlashDecoderLayer',
            'DFlashDraftModel', 'pad_anchors', 'sample_anchors', 'anchor_generator', 'block_mask', 'anchor_chunks',
-           'flex_block_mask', 'block_labels', 'slot_weights', 'DFlashOutput', 'HeadCE', 'dpace_weights',
+           'flex_block_mask', 'block_labels', 'slot_weights', 'DFlashOutput', 'HeadCE', 'dpace_weights', 'tail_sample',
            'feature_scale_of', 'DraftCache']
 
 # %% ../nbs/model.ipynb #149b3545
-import warnings
+import math, warnings
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
@@ -410,14 +410,20 @@ class HeadCE(torch.autograd.Function):
 
 def _head_ce(drafter, h, labels, chunk=4096, vocab=None, topk=0):
     """`(CE per row, hits, top)` of rows `h` through the target's head: `HeadCE` when training, plain chunks otherwise. With `vocab`
-    (token ids), only the head's rows of `vocab` and of the labels are scored: every label is always a candidate. `top`: with `topk`,
+    (token ids), only the head's rows of `vocab` and of the labels are scored: every label is always a candidate; `vocab` may be a pair
+    `(ids, log_weight)`, a log weight added to each of those rows' logits (sampled rows standing for many, see below). `top`: with `topk`,
     each row's `topk` largest logits (at most all the rows scored) and their token ids (no gradient), else None."""
     head, (mult, cap) = drafter._io()[1], drafter.logit_transform
     W, b, ids = head.weight.detach(), getattr(head, 'bias', None), None
     b = None if b is None else b.detach()
     if vocab is not None:
-        ids = torch.unique(torch.cat([vocab.to(labels.device), labels]))        # sorted
+        v, lw = vocab if isinstance(vocab, tuple) else (vocab, None)
+        ids = torch.unique(torch.cat([v.to(labels.device), labels]))              # sorted
         W, b, labels = W[ids], None if b is None else b[ids], torch.searchsorted(ids, labels)
+        if lw is not None:                                                        # a label's own row is itself, never a stand-in
+            corr = torch.zeros(len(ids), device=W.device).index_copy_(0, torch.searchsorted(ids, v.to(ids.device)), lw.to(W.device).float())
+            corr[labels] = 0
+            b = corr.to(W.dtype) if b is None else b + corr.to(b.dtype)
     topk = min(topk, len(W))
     if torch.is_grad_enabled(): ce, hits, *top = HeadCE.apply(h, W, b, labels, None, chunk, mult, cap, topk)
     else:
@@ -508,6 +514,16 @@ def _predecessors(input_ids, anchors, keep):
     return input_ids.gather(1, pos.flatten(1)).view(keep.shape)[keep]
 
 DFlashDraftModel.forward = _forward
+
+# %% ../nbs/model.ipynb #a7e10542
+def tail_sample(top, vocab_size, n, generator=None):
+    "`(ids, log_weight)` for `vocab`: the ids `top` (weight 0) and `n` random others (each log(others / n)), drawn from `generator`."
+    rest = torch.ones(vocab_size, dtype=torch.bool); rest[top.cpu()] = False
+    others = rest.nonzero()[:, 0]
+    n = min(n, len(others))
+    pick = others[torch.randperm(len(others), generator=generator)[:n]]
+    lw = torch.cat([torch.zeros(len(top)), torch.full((n,), math.log(len(others) / max(n, 1)))])
+    return torch.cat([top.cpu(), pick]).to(top.device), lw.to(top.device)
 
 # %% ../nbs/model.ipynb #03a6dfd7
 def feature_scale_of(hidden_states, mask=None):

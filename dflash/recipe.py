@@ -84,6 +84,8 @@ class TrainConfig(Job):
                            choices=('adamw', 'muon'))
     train_vocab: int | None = param(None, "the loss scores only the K most frequent label tokens of the training data (and each batch's "
                                     "labels); drafting uses the whole head. None or 0: the whole head", min=0)
+    train_vocab_tail: int = param(0, "with train_vocab: rows of the other tokens also scored at each step, drawn at random, their logits raised "
+                                  "to stand for all the others (a sampled softmax), so that the whole head drafts well; 0: none", min=0)
     precondition: bool = param(False, "read the taps with a fixed scale per feature (1 / its RMS on the first batch), folded into fc's weights when saved")
     clip: float = param(1.0, 'gradient norm clip (0: off)', min=0)
     q_depth: int = param(20, 'HS queue: unconsumed batches per target rank at most (offline: prefetch depth)', min=1)

@@ -22,7 +22,7 @@ from .data import TokenizedDataset, prepared
 from .batching import Plan, sources, served
 from .shards import ExtractedDataset, OfflineSource, check_extraction
 from .extract import extract
-from .model import DFlashDraftModel, anchor_generator, feature_scale_of
+from .model import DFlashDraftModel, anchor_generator, feature_scale_of, tail_sample
 from .dflash2 import DFlash2DraftModel, drafter_class
 from .track import Trackers
 from .publish import save_drafter, model_card, mask_token_for
@@ -116,7 +116,7 @@ def save_checkpoint(out, step, model, state, keep=2):
 SHAPE_KEYS = ('target', 'num_layers', 'layer_ids', 'arch')      # the drafter's tensors change: no checkpoint of the old shape loads
 RESUME_KEYS = ('target', 'num_layers', 'block_size', 'layer_ids', 'mask_token_id', 'num_anchors', 'token_budget', 'max_batch_size',
                'max_samples', 'epochs', 'max_steps', 'grad_accum', 'lr', 'min_lr_ratio', 'warmup', 'weight_decay', 'clip', 'seed',
-               'layer_types', 'sliding_window', 'init_from', 'optimizer', 'train_vocab', 'precondition',
+               'layer_types', 'sliding_window', 'init_from', 'optimizer', 'train_vocab', 'train_vocab_tail', 'precondition',
                'arch', 'is_causal', 'loss', 'dpace_alpha', 'selector_alpha')
 
 def _resume_changes(ck, st, cfg, data_sha256):
@@ -210,10 +210,12 @@ def _precondition(self, item):
 def _micro_step(self, item, last):
     "Forward and backward of one micro-batch; gradients are synchronized on the last of a step."
     if not self.scaled: self._precondition(item)
-    net = self.ddp or self.model
+    net, vocab = self.ddp or self.model, self.vocab
+    if vocab is not None and self.cfg.train_vocab_tail:            # the same rows on a resume: drawn from (seed, rank, micro-batch)
+        vocab = tail_sample(vocab, self.model._io()[1].weight.shape[0], self.cfg.train_vocab_tail, anchor_generator(self.cfg.seed + 1, self.d, item['p']))
     with (self.ddp.no_sync() if self.ddp is not None and not last else nullcontext()), self.autocast:
         o = net(item['hidden_states'], item['input_ids'], item['loss_mask'], num_anchors=self.cfg.num_anchors,
-                generator=anchor_generator(self.cfg.seed, self.d, item['p']), vocab=self.vocab,
+                generator=anchor_generator(self.cfg.seed, self.d, item['p']), vocab=vocab,
                 loss=self.cfg.loss, dpace_alpha=self.cfg.dpace_alpha, selector_alpha=self.cfg.selector_alpha)
     (o.loss / self.cfg.grad_accum).backward()
     return o

@@ -287,6 +287,13 @@ def _evaluations(self, meter, validate=None, evaluate_tau=None):
     if cfg.drafters > 1: self.coord.barrier(f'eval-{s}', range(cfg.drafters))
     meter.t0 += time.perf_counter() - t0                     # the evaluation is not training time
 
+def _next(self, source):
+    "The source's next micro-batch. If it breaks (a target rank died mid-send), drafter 0 first saves what was learnt."
+    try: return source.get()
+    except BaseException:
+        if self.main: save_checkpoint(self.cfg.out, self.step, self.model, self.state(), self.cfg.keep)   # no barrier: peers may be gone
+        raise
+
 def _run(self, source, stop_flag=lambda: False, evaluate_tau=None, validate=None):
     "Train until the plan's last step or a stop; returns None, or why it stopped."
     cfg, total = self.cfg, self.plan.total_steps
@@ -302,7 +309,7 @@ def _run(self, source, stop_flag=lambda: False, evaluate_tau=None, validate=None
     while self.step < total:
         samples = []
         for k in range(cfg.grad_accum):
-            item = source.get()
+            item = self._next(source)
             if item is None: self.save(); return 'the data source stopped'    # the job is stopping: keep what was learnt
             o = self.micro_step(item, last=k == cfg.grad_accum - 1)
             source.consumed(item); meter.add(o, item['tokens']); samples += item.get('sample_ids') or []
@@ -314,7 +321,7 @@ def _run(self, source, stop_flag=lambda: False, evaluate_tau=None, validate=None
         if stopped or (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or self.step == total: self.save()
         if stopped: return stopped
 
-Trainer._log, Trainer._evaluations, Trainer.run = _log, _evaluations, _run
+Trainer._log, Trainer._evaluations, Trainer._next, Trainer.run = _log, _evaluations, _next, _run
 
 # %% ../nbs/train.ipynb #a2995af5
 def _backend(cfg, device):

@@ -26,11 +26,12 @@ def accepted_lengths(labels, hits):
 # %% ../nbs/validate.ipynb #84799200
 def walk(committed, max_new_tokens=None):
     """The counts the lossless loop would see decoding a reply: `committed[i]` is the count of the block at the reply's
-    token i (i = 0 is its first token); blocks near the `max_new_tokens`-th new token draft only what is left."""
+    token i (i = 0 is its first token; the last count is the block before the end-of-turn token). Blocks near the
+    `max_new_tokens`-th new token draft only what is left; a block reaching the end commits up to the end-of-turn token."""
     n, i, seen = len(committed), 0, []
     cap = n + 1 if max_new_tokens is None else max_new_tokens
     while i < n and i + 1 < cap:
-        c = min(int(committed[i]), cap - 1 - i)            # new tokens so far: i + 1; a block adds at most cap - (i + 1)
+        c = min(int(committed[i]), cap - 1 - i, n - i)     # new tokens so far: i + 1; a block adds at most cap - (i + 1), and n - i are left
         seen.append(c); i += c
     return seen
 

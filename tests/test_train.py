@@ -54,7 +54,7 @@ def test_online_2x1_learns(work, tmp_path):
         assert k in m, k
     assert len(m['acc']) == 15 and max(x['q_hs'] for x in read_metrics(out) if 'q_hs' in x) <= 2 * 3   # 2 targets x q_depth 3
     ck = sorted(p.name for p in (out / 'checkpoints').iterdir())
-    assert ck == ['step-15', 'step-16'] and latest_checkpoint(out).name == 'step-16'       # every 5 and at the end; keep=2
+    assert ck == ['best', 'step-15', 'step-16'] and latest_checkpoint(out).name == 'step-16'   # every 5 and at the end; keep=2; the best by held-out acceptance
     cfg = json.loads((out / 'drafter/config.json').read_text())
     assert cfg['architectures'] == ['DFlashDraftModel'] and cfg['dflash_config']['target_layer_ids'] == [4]
     assert (out / 'checkpoints/step-16/trainer.pt').exists() and (out / 'checkpoints/step-16/model.safetensors').exists()

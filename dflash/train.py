@@ -389,7 +389,8 @@ def run_drafter(cfg, coord, d, plan, ds, device, group, pg, stop):
         t0 = time.time(); t, _ = probe(trainer.model)
         rec = dict(step=trainer.step, tau=t, eval_s=time.time() - t0, time=time.time())
         append_jsonl(trainer.out / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
-    validator = (Validator(cfg.val_extracted, cfg.out, cfg.token_budget, cfg.val_anchors, cfg.val_samples, cfg.eval_max_new_tokens, cfg.seed)
+    validator = (Validator(cfg.val_extracted, cfg.out, cfg.token_budget, cfg.val_anchors, cfg.val_samples, cfg.eval_max_new_tokens, cfg.seed,
+                           step=trainer.step)
                  if d == 0 and cfg.val_extracted else None)
     def validate(trainer):
         rec = validator(trainer.model, trainer.step)

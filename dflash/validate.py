@@ -90,13 +90,16 @@ def heldout_acceptance(drafter, xds, token_budget=8192, anchors=None, max_sample
 # %% ../nbs/validate.ipynb #6e4fa026
 class Validator:
     "Held-out acceptance of a training run in `out` on the extraction `xds`, keeping its best drafter in `out/checkpoints/best/`."
-    def __init__(self, xds, out, token_budget=8192, anchors=None, max_samples=None, max_new_tokens=None, seed=0):
+    def __init__(self, xds, out, token_budget=8192, anchors=None, max_samples=None, max_new_tokens=None, seed=0, step=0):
         self.xds = xds if isinstance(xds, ExtractedDataset) else ExtractedDataset(xds)
         self.args = dict(token_budget=token_budget, anchors=anchors, max_samples=max_samples, max_new_tokens=max_new_tokens, seed=seed)
         self.dir = Path(out) / 'checkpoints' / 'best'
         old = self.dir.with_name('.best.old')
         if old.exists() and not self.dir.exists(): os.replace(old, self.dir)       # killed between the two renames of `keep`
         self.best = json.loads((self.dir / 'BEST.json').read_text()) if (self.dir / 'BEST.json').exists() else None
+        if self.best and self.best['step'] > step:                                  # resumed before it: measured again
+            aside = self.dir.with_name(f'best.after-{step}'); shutil.rmtree(aside, ignore_errors=True)
+            os.replace(self.dir, aside); self.best = None
 
     def __call__(self, model, step):
         "Measure `model` at `step`; keep it if it is the best so far. Returns the metrics record (`best`: True when kept)."

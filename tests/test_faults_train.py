@@ -91,6 +91,22 @@ def test_resume_sets_aside_the_metrics_it_measures_again_and_says_where_it_resum
     assert next(m for m in recs if m.get('event') == 'resume')['dropped'] == 2
 
 
+def test_resume_sets_aside_a_best_drafter_measured_after_its_checkpoint(w, tmp_path):
+    "Held-out evaluations at steps 5 and 6, killed before step 6's checkpoint: the resume from step 4 moves the best aside and measures again."
+    args = ['--target', w / 'target', '--extracted', w / 'x', '--out', tmp_path / 'run', *TRAIN, '--max-steps', '6', '--ckpt-every', '2',
+            '--keep', '3', '--val-extracted', w / 'x', '--eval-every', '5']
+    assert cli(train_cli, *args)[0] == 0
+    best = json.loads((tmp_path / 'run/checkpoints/best/BEST.json').read_text())
+    assert best['step'] in (5, 6)
+    shutil.rmtree(tmp_path / 'run' / 'checkpoints' / 'step-6'); shutil.rmtree(tmp_path / 'run' / 'drafter'); (tmp_path / 'run' / 'result.json').unlink()
+    r = subprocess.run([str(BIN / 'dflash_train'), *map(str, args), '--resume'], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    aside = json.loads((tmp_path / 'run/checkpoints/best.after-4/BEST.json').read_text())
+    again = json.loads((tmp_path / 'run/checkpoints/best/BEST.json').read_text())
+    assert aside['step'] == best['step'] and (again['step'], again['val_tau']) == (best['step'], best['val_tau'])   # the same steps again
+    assert [m['step'] for m in read_metrics(tmp_path / 'run') if 'val_tau' in m] == [5, 6]
+
+
 def test_full_disk_at_the_first_checkpoint_says_none_is_kept(w, tmp_path):
     "Files capped at 8 KB: the first checkpoint cannot be written; the message names the file and says no checkpoint exists yet."
     def cap():

@@ -209,7 +209,7 @@ def tau_curve(out, key='tau'):
     run = json.loads((out / 'run.json').read_text()) if (out / 'run.json').exists() else {}
     t0, pts, evals = run.get('time', recs[0]['time']), [], 0.0
     for m in recs:
-        evals += m.get('eval_s', 0.0)                          # every evaluation's time, held-out or lossless, is left out
+        evals += sum(m.get(k, 0.0) for k in ('val_eval_s', 'tau_eval_s', 'eval_s'))   # every evaluation's time (held-out, lossless; eval_s: older runs) is left out
         if m.get(key) is not None: pts.append((m['time'] - t0 - evals, m['step'], m[key]))
     return pts
 

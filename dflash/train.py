@@ -387,7 +387,7 @@ def run_drafter(cfg, coord, d, plan, ds, device, group, pg, stop):
     probe = TauProbe(cfg.target, cfg.eval_data, cfg.eval_prompts, cfg.eval_max_new_tokens, cfg.dtype, device) if d == 0 else None
     def tau(trainer):
         t0 = time.time(); t, _ = probe(trainer.model)
-        rec = dict(step=trainer.step, tau=t, eval_s=time.time() - t0, time=time.time())
+        rec = dict(step=trainer.step, tau=t, tau_eval_s=time.time() - t0, time=time.time())
         append_jsonl(trainer.out / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
     validator = (Validator(cfg.val_extracted, cfg.out, cfg.token_budget, cfg.val_anchors, cfg.val_samples, cfg.eval_max_new_tokens, cfg.seed,
                            step=trainer.step)
@@ -434,7 +434,7 @@ def _publish(cfg, trainer, probe, device, validator=None):
         t0 = time.time(); (t, r), (tn, rn) = probe(model), probe(NgramDrafter())
         lossless = all(x['lossless'] for x in [*r.values(), *rn.values()])
         res.update(tau=t, tau_ngram=tn, lossless=lossless, tau_by_file={f: x['tau'] for f, x in r.items()})
-        rec = dict(step=res.get('best_step', trainer.step), tau=t, tau_ngram=tn, lossless=lossless, eval_s=time.time() - t0, time=time.time(), final=True)
+        rec = dict(step=res.get('best_step', trainer.step), tau=t, tau_ngram=tn, lossless=lossless, tau_eval_s=time.time() - t0, time=time.time(), final=True)
         append_jsonl(Path(cfg.out) / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
         results = {f: {'dflash': r[f], 'ngram': rn[f]} for f in r}
         if cfg.eval_temperature > 0:                     # the same prompts sampled, as served at that temperature

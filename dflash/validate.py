@@ -104,7 +104,8 @@ class Validator:
     def __call__(self, model, step):
         "Measure `model` at `step`; keep it if it is the best so far. Returns the metrics record (`best`: True when kept)."
         t0 = time.time(); r = heldout_acceptance(model, self.xds, **self.args)
-        rec = dict(step=step, **r, best=bool(self.best is None or r['val_tau'] > self.best['val_tau']), eval_s=time.time() - t0, time=time.time())
+        rec = dict(step=step, **r, best=bool(self.best is None or r['val_tau'] > self.best['val_tau']),
+                   val_eval_s=time.time() - t0, time=time.time())
         if rec['best']: self.keep(model, rec)
         return rec
 

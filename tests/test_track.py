@@ -207,6 +207,33 @@ def test_extraction_logs_what_metrics_jsonl_has(few, tmp_path):
     for name in ALL: close_to(read(name, out)[0], want)
 
 
+def test_training_logs_what_metrics_jsonl_has(few, tmp_path):
+    """A training run in all four trackers: every metrics.jsonl line (steps, held-out acceptance, the final lossless tau) at its
+    step, the resolved config once; a resume continues the same tracker runs."""
+    from dflash.extract import extract
+    from dflash.train import train
+    import shutil
+    x = extract(target=str(TINY_TARGET), data=str(few), out=str(tmp_path / 'x'), layer_ids=[4], token_budget=512, progress=False)['out']
+    out = tmp_path / 'run'
+    kw = dict(extracted=x, out=str(out), drafters=1, num_layers=1, num_anchors=8, token_budget=512, max_steps=6, log_every=2, ckpt_every=2,
+              keep=5, val_extracted=x, eval_every=3, eval_prompts=2, eval_max_new_tokens=16, progress=False, report_to=','.join(ALL))
+    train(**kw)
+    recs = [r for r in read_metrics(out) if 'event' not in r]
+    assert {'val_tau', 'tau', 'tau_ngram'} <= {k for r in recs for k in r}
+    last = max(r['step'] for r in recs if 'loss' in r)
+    at = lambda r: last if r.get('final') else r['step']          # the final tau (of the best drafter) at the run's last step
+    for name in ALL:
+        hist, config = read(name, out)
+        close_to(hist, expected(recs, at))
+        assert config['num_layers'] == 1 and config['eval_every'] == 3 and config['report_to'] == ','.join(ALL)
+    first = json.loads((out / 'trackers.json').read_text())
+    shutil.rmtree(out / 'checkpoints' / 'step-6'); shutil.rmtree(out / 'drafter'); (out / 'result.json').unlink()
+    train(resume=True, **kw)
+    assert json.loads((out / 'trackers.json').read_text()) == first       # the same tracker runs, continued
+    tb = dict(read('tensorboard', out)[0]['loss'])
+    assert sorted(tb) == [2, 4, 6] and tb[6] == pytest.approx([r['loss'] for r in read_metrics(out) if 'loss' in r][-1], rel=1e-6)
+
+
 def test_jobs_refuse_before_they_start(few, tmp_path):
     "From a shell: an unknown tracker, a tracker not installed, and one that does not start each stop the job in one line, with no shard written."
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}

@@ -73,8 +73,10 @@ def test_real_chain_for_a_few_steps(smol, tmp_path):
 def test_a_drafter_memorizes_one_real_conversation(smol, tmp_path):
     """The memorization test: a 1-layer drafter trained on one SmolLM2 conversation (its own reply, as regenerated) reaches
     >= 99% accuracy on every slot, and drafts that reply losslessly at tau >= 14 of 16. It fails for the bugs that cost the
-    field months (SpecForge #455/#473): labels one slot off, the context mask letting a block see its anchor's own state, a
-    head left random; a drafter that only fits its training forward, not the decoding loop, fails the tau. (The loss scores
+    field months (SpecForge #455/#473): labels one slot off and a head left random each fail it (tau 1.0, checked by patching
+    them in); a drafter that only fits its training forward, not the decoding loop, fails the tau. A context mask that lets
+    a block see its anchor's own state does not fail it (a memorized reply needs no such help: tau 15.9 with that patch);
+    `test_model.py::test_cached_drafting_equals_the_training_forward` is the test that fails for it. (The loss scores
     the conversation's 512 most frequent ids and 512 random others each step: without those others, rows it never saw win
     the full head's argmax, and the tau falls to 8.9.)"""
     from dflash.core import read_metrics

@@ -86,7 +86,7 @@ def test_a_drafter_memorizes_one_real_conversation(smol, tmp_path):
     one = tmp_path / 'one.jsonl'; one.write_text(json.dumps(row) + '\n')
     run('dflash_extract', '--target', smol, '--data', one, '--out', tmp_path / 'x', '--num-draft-layers', 1, '--no-progress')
     run('dflash_train', '--target', smol, '--extracted', tmp_path / 'x', '--out', tmp_path / 'run', '--num-layers', 1, '--num-anchors', 64,
-        '--lr', 2e-3, '--warmup', 10, '--min-lr-ratio', 1.0, '--max-steps', 120, '--log-every', 10, '--ckpt-every', 0,
+        '--lr', 2e-3, '--loss', 'decay', '--warmup', 10, '--min-lr-ratio', 1.0, '--max-steps', 120, '--log-every', 10, '--ckpt-every', 0,
         '--train-vocab', 512, '--train-vocab-tail', 512, '--no-final-eval', '--no-progress')
     last = [m for m in read_metrics(tmp_path / 'run') if 'loss' in m][-1]
     assert min(last['acc']) >= 0.99, last['acc']

@@ -22,7 +22,8 @@ from .data import TokenizedDataset, prepared
 from .batching import Plan, sources, served
 from .shards import ExtractedDataset, OfflineSource, check_extraction
 from .extract import extract
-from .model import DFlashDraftModel, anchor_generator, feature_scale_of, tail_sample
+from .model import DFlashDraftModel, anchor_generator, feature_scale_of
+from .loss import tail_sample
 from .dflash2 import DFlash2DraftModel, drafter_class
 from .track import Trackers
 from .publish import save_drafter, model_card, mask_token_for

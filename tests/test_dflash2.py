@@ -5,7 +5,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from dflash.taps import capture
-from dflash.model import DFlashDraftModel, drafter_config, feature_scale_of, slot_weights
+from dflash.model import DFlashDraftModel, drafter_config, feature_scale_of
+from dflash.loss import slot_weights
 from dflash.dflash2 import BlockConv, DFlash2DraftModel, DFLASH2, dflash2_config, drafter_class
 from dflash.publish import save_drafter
 from dflash.validate import accepted_lengths
@@ -174,7 +175,8 @@ def test_heldout_acceptance_counts_the_selectors_path(setup):
     assert abs(got['val_tau'] - sum(counts) / len(counts)) < 1e-9 and got['val_blocks'] == len(counts) and got['val_tau'] > 1.3
 
 def test_training_vocabulary(setup):
-    from dflash.model import _block_states, _head_ce
+    from dflash.model import _block_states
+    from dflash.loss import _head_ce
     _, _, d2, hs, ids, lm = setup
     anchors = torch.tensor([[4, 9, 13], [6, 9, 12]])
     full = d2(hs, ids, lm, anchors=anchors)

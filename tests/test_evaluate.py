@@ -6,9 +6,9 @@ from transformers import DynamicCache
 from dflash.core import TINY_TARGET, HELDOUT_DATA
 from dflash.taps import load_target, load_tokenizer
 from dflash.model import DFlashDraftModel, drafter_config
-from dflash.evaluate import (DFlashDrafter, NgramDrafter, crop, croppable, evaluate, evaluate_many, greedy_decode, greedy_reference,
-                             load_prompts, load_drafter, ngram_propose, recurrent_mixers, restore, rollback, snapshot, spec_decode,
-                             evaluate_job, EvalConfig)
+from dflash.cache import crop, croppable, recurrent_mixers, restore, rollback, snapshot
+from dflash.evaluate import (DFlashDrafter, NgramDrafter, evaluate, evaluate_many, greedy_decode, greedy_reference, load_prompts,
+                             load_drafter, ngram_propose, spec_decode, evaluate_job, EvalConfig)
 
 @pytest.fixture(scope='module')
 def prompts(tok): return load_prompts(tok, n=3)
@@ -224,7 +224,8 @@ def test_job_tau_per_file_and_drafter(tok, hybrid, save_target, tmp_path, capsys
 
 from collections import Counter
 from transformers import AutoModelForCausalLM, Qwen3Config
-from dflash.evaluate import Sampling, TauProbe, sample_decode, sampling_probs, speculative_sample, _draw
+from dflash.evaluate import TauProbe, sample_decode
+from dflash.sampling import Sampling, sampling_probs, speculative_sample, _draw
 
 ALPHA = 1e-3          # the false-alarm rate of each distribution check
 N = 1000              # speculative decodes per check

@@ -8,7 +8,8 @@ from dflash.core import TRAIN_DATA, HELDOUT_DATA, read_metrics
 from dflash.data import prepare_cli, PrepareConfig
 from dflash.extract import extract_cli, extract
 from dflash.evaluate import evaluate_cli
-from dflash.train import train_cli, latest_checkpoint
+from dflash.train import train_cli
+from dflash.checkpoint import latest_checkpoint
 from dflash.shards import ExtractedDataset, read_manifest, update_manifest
 
 BIN = Path(sys.executable).parent

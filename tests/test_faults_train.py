@@ -9,7 +9,8 @@ from dflash.data import prepare_cli
 from dflash.extract import extract
 from dflash.model import DFlashDraftModel, drafter_config
 from dflash.publish import save_drafter
-from dflash.train import train_cli, latest_checkpoint
+from dflash.train import train_cli
+from dflash.checkpoint import latest_checkpoint
 from test_faults import cli, fails, tree, kept
 
 BIN = Path(sys.executable).parent

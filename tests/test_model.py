@@ -1,4 +1,4 @@
-"Tests of dflash.model: the DFlash drafter's semantics, its loss, decoding cache and checkpoint format."
+"Tests of dflash.model and dflash.loss: the DFlash drafter's semantics, its loss, decoding cache and checkpoint format."
 import json, math
 import pytest, torch
 import torch.nn.functional as F
@@ -7,8 +7,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3_5Config
 from dflash.tiny_target import target_config
 from dflash.taps import capture, default_layer_ids, load_target_io
-from dflash.model import (DFlashConfig, DFlashDraftModel, DraftCache, block_labels, block_mask, drafter_config, pad_anchors,
-                          sample_anchors, slot_weights)
+from dflash.model import DFlashConfig, DFlashDraftModel, DraftCache, block_mask, drafter_config, pad_anchors, sample_anchors
+from dflash.loss import block_labels, slot_weights
 from dflash.publish import save_drafter
 
 B = 4  # block size of the test drafters
@@ -341,7 +341,7 @@ def dpace_direct(ce, labels, alpha=0.5):
     return out
 
 def test_dpace_weights_against_a_direct_implementation():
-    from dflash.model import dpace_weights, _loss_weights
+    from dflash.loss import dpace_weights, _loss_weights
     g = torch.Generator().manual_seed(0)
     ce = torch.rand(3, 4, 5, generator=g) * 3
     labels = torch.randint(5, 50, (3, 4, 5), generator=g)

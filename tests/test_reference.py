@@ -183,7 +183,7 @@ def test_published_dflash2_checkpoint_loads_and_drafts_the_same(zlab, target, to
 @pytest.mark.parametrize('T,top_p,top_k', [(1.0, 1.0, 0), (0.7, 0.9, 0), (0.6, 1.0, 20), (1.3, 0.8, 5)])
 def test_sampling_probs_match_the_reference(zlab, T, top_p, top_k):
     "Our `sampling_probs` (temperature, then top-k, then top-p) is the reference's `_sampling_probs`."
-    from dflash.evaluate import sampling_probs
+    from dflash.sampling import sampling_probs
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
     assert torch.allclose(sampling_probs(logits, T, top_p, top_k), zlab._sampling_probs(logits, T, top_p, top_k), atol=1e-6)
 

@@ -7,7 +7,8 @@ from dflash.data import prepare
 from dflash.batching import Plan
 from dflash.extract import extract
 from dflash.metrics import diagnose, plot_dashboard
-from dflash.train import train, latest_checkpoint
+from dflash.train import train
+from dflash.checkpoint import latest_checkpoint
 from dflash.recipe import TrainConfig
 
 CLI = [sys.executable, '-c', 'from dflash.train import train_cli; train_cli()']

@@ -80,7 +80,7 @@ def plot_throughput(out, ax=None):
 class Meter:
     "Sums of one log interval on one drafter rank, kept on the device; `totals` adds them over the drafter ranks."
     def __init__(self, block_size, device):
-        self.B, self.device = block_size, device
+        self.B, self.device, self.two = block_size, device, False      # two: a DFlash2 drafter (its selector's figures)
         self.reset()
 
     def reset(self, wait0=0.0):
@@ -92,7 +92,7 @@ class Meter:
 
     def add(self, out, tokens):
         self.loss += out.loss.detach().double(); self.correct += out.correct.double(); self.count += out.count.double()
-        if getattr(out, 'candidate_hits', None) is not None: self.cand += out.candidate_hits.double(); self.unary += out.unary_correct.double()
+        if getattr(out, 'candidate_hits', None) is not None: self.two = True; self.cand += out.candidate_hits.double(); self.unary += out.unary_correct.double()
         self.micro += 1; self.tokens += tokens
 
     def totals(self, all_sum=lambda x: x, **extra):
@@ -104,7 +104,7 @@ class Meter:
         tot = dict(loss=v[0].item(), **{k: v[1 + j].item() for j, k in enumerate(names)})
         c, n, cand, unary = v[1 + len(names):].view(4, self.B - 1)
         per = lambda x: (x / n.clamp_min(1)).tolist()
-        two = dict(candidate_recall=per(cand), unary_acc=per(unary)) if cand.sum() > 0 else {}   # DFlash2 only
+        two = dict(candidate_recall=per(cand), unary_acc=per(unary)) if self.two else {}   # DFlash2 only, 0 too
         return dict(tot, acc=per(c), **two, seconds=time.perf_counter() - self.t0, steps=self.steps)
 
 # %% ../nbs/metrics.ipynb #20d182ab

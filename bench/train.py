@@ -42,7 +42,8 @@ def run_inner(method, a):
     from dflash.core import TINY_TARGET
     from dflash.taps import load_target, capture, pad_batch, load_target_io
     from dflash.shards import collate
-    from dflash.model import DFlashDraftModel, drafter_config, anchor_generator
+    from dflash.model import DFlashDraftModel, drafter_config
+    from dflash.blocks import anchor_generator
     from dflash.train import lr_factor
     ds, plan = batches(a)
     target = load_target(TINY_TARGET, device='cpu')

@@ -16,7 +16,8 @@ from .taps import capture, pad_batch, text_config, load_target
 from .data import TokenizedDataset
 from .batching import Plan
 from .shards import collate
-from .model import DFlashDraftModel, drafter_config, anchor_generator
+from .model import DFlashDraftModel, drafter_config
+from .blocks import anchor_generator
 from .publish import mask_token_for
 from .metrics import best_split
 from .recipe import rank_device

@@ -4,7 +4,6 @@
 
 # %% auto #0
 __all__ = ['SLIDING', 'FULL', 'DFlashConfig', 'drafter_config', 'DFlashAttention', 'DFlashDecoderLayer', 'DFlashDraftModel',
-           'pad_anchors', 'sample_anchors', 'anchor_generator', 'block_mask', 'anchor_chunks', 'flex_block_mask',
            'feature_scale_of', 'DraftCache']
 
 # %% ../nbs/model.ipynb #149b3545
@@ -17,6 +16,7 @@ from transformers import PreTrainedModel, Qwen3Config
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 from .taps import default_layer_ids
+from .blocks import _flex, _has_flex, pad_anchors, sample_anchors, block_mask, anchor_chunks, flex_block_mask
 from .loss import _softcap, block_labels, DFlashOutput, _head_ce, _loss_weights
 
 # %% ../nbs/model.ipynb #6bd87dcf
@@ -173,20 +173,6 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         h = h + self.self_attn(self.input_layernorm(h), rope, ctx_k, ctx_v, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-# %% ../nbs/model.ipynb #d00dbf91
-_FLEX = None
-def _flex():
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-        _FLEX = torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
-    return _FLEX
-
-def _has_flex():
-    try: from torch.nn.attention.flex_attention import flex_attention, create_block_mask
-    except ImportError: return False
-    return True
-
 # %% ../nbs/model.ipynb #86280de6
 class DFlashDraftModel(PreTrainedModel):
     "The DFlash drafter: context features from the target's taps, Qwen3-style layers over a noise block."
@@ -261,69 +247,6 @@ class DFlashDraftModel(PreTrainedModel):
         ids = last_tokens.new_full((*last_tokens.shape, self.block_size), self.mask_token_id)
         ids[..., 0] = last_tokens
         return ids
-
-# %% ../nbs/model.ipynb #910b03ea
-def pad_anchors(anchors, device=None):
-    "A list of per-sequence anchor lists -> `(anchors [b, A], valid [b, A])`, padded with 0 / False."
-    A = max([len(a) for a in anchors] + [1])
-    out, valid = torch.zeros(len(anchors), A, dtype=torch.long), torch.zeros(len(anchors), A, dtype=torch.bool)
-    for r, a in enumerate(anchors):
-        out[r, :len(a)] = torch.as_tensor(a, dtype=torch.long); valid[r, :len(a)] = True
-    return out.to(device), valid.to(device)
-
-def sample_anchors(loss_mask, num_anchors=512, generator=None):
-    "Up to `num_anchors` sorted positions per row, uniform over i with `loss_mask[i]` and `loss_mask[i+1]` both 1."
-    lm = loss_mask.bool().cpu()
-    ok = lm[:, :-1] & lm[:, 1:]
-    rows = []
-    for r in range(lm.shape[0]):
-        cand = ok[r].nonzero()[:, 0]
-        if len(cand) > num_anchors: cand = cand[torch.randperm(len(cand), generator=generator)[:num_anchors]].sort().values
-        rows.append(cand)
-    return pad_anchors(rows, loss_mask.device)
-
-def anchor_generator(seed, d, p):
-    "The anchor generator of micro-batch `p` on drafter rank `d`: a run's anchors depend on its seed alone, so a resume draws the same."
-    return torch.Generator().manual_seed((seed * 1_000_003 + d) * 1_000_003 + p)
-
-# %% ../nbs/model.ipynb #9f4961a3
-def block_mask(anchors, seq_len, block_size, window=None, causal=None):
-    """Bool [b, A*B, S + A*B]: True where slot query q (of the block at `anchors[:, q // B]`) may attend key k. A sliding
-    layer (`window` W): slot o of the block at a sees context a+o-(W-1) <= p < a. `causal`: slot o sees its block's slots
-    <= o only (None: when windowed, the released class's default)."""
-    b, A = anchors.shape
-    dev = anchors.device
-    causal = window is not None if causal is None else causal
-    q = torch.arange(A * block_size, device=dev)
-    qb, o = q // block_size, q % block_size                              # block and slot of each query
-    kv = torch.arange(seq_len + A * block_size, device=dev)
-    anc = anchors[:, qb]                                                 # [b, Q]
-    ctx = (kv < seq_len) & (kv[None, None] < anc[..., None])             # context strictly before the anchor
-    own = (kv >= seq_len) & ((kv - seq_len) // block_size == qb[:, None])  # the query's own block
-    if window is not None: ctx = ctx & (kv[None, None] >= (anc + o - (window - 1))[..., None])
-    if causal: own = own & ((kv - seq_len) % block_size <= o[:, None])
-    return ctx | own
-
-def anchor_chunks(anchors, seq_len, block_size, chunk=64, window=None, causal=None):
-    """The dense mask in pieces of `chunk` anchors: `[(query slice, mask [b, c*B, S + c*B])]`. Blocks never see each other, so
-    each piece needs only the context and its own blocks: scores of c*B x (S + c*B) per piece instead of A*B x (S + A*B)."""
-    A, B = anchors.shape[1], block_size
-    return [(slice(i * B, min(i + chunk, A) * B), block_mask(anchors[:, i:i + chunk], seq_len, B, window, causal))
-            for i in range(0, A, chunk)]
-
-def flex_block_mask(anchors, seq_len, block_size, window=None, causal=None):
-    "The same mask as a flex_attention `BlockMask` (block-sparse: skipped tiles cost nothing)."
-    from torch.nn.attention.flex_attention import create_block_mask
-    b, A = anchors.shape
-    causal = window is not None if causal is None else causal
-    def mask_mod(bi, h, q, k):
-        j, o = q // block_size, q % block_size
-        a = anchors[bi, j]
-        ctx, own = k < a, (k - seq_len) // block_size == j
-        if window is not None: ctx = ctx & (k >= a + o - (window - 1))
-        if causal: own = own & ((k - seq_len) % block_size <= o)
-        return torch.where(k < seq_len, ctx, own)
-    return create_block_mask(mask_mod, b, None, A * block_size, seq_len + A * block_size, device=anchors.device)
 
 # %% ../nbs/model.ipynb #397596d1
 @torch.no_grad()

@@ -21,7 +21,8 @@ from .data import TokenizedDataset, prepared
 from .batching import Plan, sources, served
 from .shards import ExtractedDataset, OfflineSource, check_extraction
 from .extract import extract
-from .model import DFlashDraftModel, anchor_generator, feature_scale_of
+from .model import DFlashDraftModel, feature_scale_of
+from .blocks import anchor_generator
 from .loss import tail_sample
 from .dflash2 import DFlash2DraftModel, drafter_class
 from .track import Trackers

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from .batching import token_budget_batches
 from .shards import ExtractedDataset, collate
 from .core import write_json_atomic
-from .model import sample_anchors, anchor_generator
+from .blocks import sample_anchors, anchor_generator
 from .publish import save_drafter
 
 # %% ../nbs/validate.ipynb #030c50ef

@@ -7,7 +7,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3_5Config
 from dflash.tiny_target import target_config
 from dflash.taps import capture, default_layer_ids, load_target_io
-from dflash.model import DFlashConfig, DFlashDraftModel, DraftCache, block_mask, drafter_config, pad_anchors, sample_anchors
+from dflash.model import DFlashConfig, DFlashDraftModel, DraftCache, drafter_config
+from dflash.blocks import block_mask, pad_anchors, sample_anchors
 from dflash.loss import block_labels, slot_weights
 from dflash.publish import save_drafter
 

@@ -192,7 +192,7 @@ def test_sampling_probs_match_the_reference(zlab, T, top_p, top_k):
 def test_window_inside_the_block(zlab, causal):
     """Our sliding mask and the reference's, for a block of B at anchor n: equal when W >= B (every published drafter: W 2048, B <= 16).
     With W < B the reference also windows the block's own slots (|o - o'| < W); ours windows the context only (SpecForge's rule)."""
-    from dflash.model import block_mask
+    from dflash.blocks import block_mask
     n, B = 12, 8
     for W in (8, 9, 30, 5):
         ours = block_mask(torch.tensor([[n]]), n, B, W, causal)[0]

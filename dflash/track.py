@@ -60,10 +60,18 @@ def flat_metrics(rec, skip=('step', 'time')):
     return out
 
 # %% ../nbs/track.ipynb #acd3e78e
+def _sorts_last(log_dir):
+    """TensorBoard reads a run's event files in name order, and a name is the second it was made, then the host, the pid
+    and a counter: a resumed run started within the same second as the last file would sort before it (`.10` < `.9`).
+    Wait out that second (at most one; not for a file stamped later than now, from another clock)."""
+    stamps = [int(p.name.split('.')[3]) for p in Path(log_dir).glob('events.out.tfevents.*') if p.name.split('.')[3].isdigit()]
+    if stamps and 0 < (wait := max(stamps) + 1 - time.time()) <= 1: time.sleep(wait)
+
 class _TensorBoard:
     def start(self, out, run, state, config, resume_step, project):
         from torch.utils.tensorboard import SummaryWriter
         rel = state.get('log_dir') if state else _fresh(out, f'tensorboard/{run}')
+        _sorts_last(out / rel)
         self.w = SummaryWriter(str(out / rel), purge_step=None if resume_step is None else resume_step + 1, flush_secs=30)
         self.w.add_text('config', '    ' + json.dumps(config, indent=1).replace('\n', '\n    '), resume_step or 0)
         return dict(log_dir=rel)

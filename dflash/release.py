@@ -26,6 +26,47 @@ def _chosen(cfg, trainer, validator, device):
                    f"+- {b['val_tau_se']:.3f} on {b['val_sequences']} held-out conversations of the target's own replies"
                    + (f', {b["val_tau_walk"]:.3f} along the lossless loop\'s path' if b.get('val_tau_walk') else '') + f'; the run ended at step {last}).')
 
+# %% ../nbs/release.ipynb #04da6699
+def _measure(cfg, trainer, probe, model, device, res):
+    """The final measurement, logged to `metrics.jsonl` and the trackers, its figures added to `res`: tau beside the n-gram
+    baseline on each `eval_data` file, greedy, and sampled too at `eval_temperature`. `(taus, sampled taus, what was measured)` for the card."""
+    t0 = time.time(); (t, r), (tn, rn) = probe(model), probe(NgramDrafter())
+    lossless = all(x['lossless'] for x in [*r.values(), *rn.values()])
+    res.update(tau=t, tau_ngram=tn, lossless=lossless, tau_by_file={f: x['tau'] for f, x in r.items()})
+    rec = dict(step=res.get('best_step', trainer.step), tau=t, tau_ngram=tn, lossless=lossless, tau_eval_s=time.time() - t0, time=time.time(), final=True)
+    append_jsonl(Path(cfg.out) / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
+    results = {f: {'dflash': r[f], 'ngram': rn[f]} for f in r}
+    if cfg.eval_temperature > 0:                     # the same prompts sampled, as served at that temperature
+        hot = TauProbe(cfg.target, cfg.eval_data, cfg.eval_prompts, cfg.eval_max_new_tokens, cfg.dtype, device, cfg.eval_temperature,
+                       cfg.eval_top_p, cfg.eval_top_k, cfg.seed)
+        hot.target, hot.sets = probe.target, probe.sets                    # one target, its greedy decodes measure nothing here
+        (ts, rs), (tns, rns) = hot(model), hot(NgramDrafter())
+        res.update(tau_sampled=ts, tau_ngram_sampled=tns, eval_temperature=cfg.eval_temperature)
+        for f in results: results[f].update({f'dflash T={cfg.eval_temperature:g}': rs[f], f'ngram T={cfg.eval_temperature:g}': rns[f]})
+    table = tau_table(results)
+    print(table, flush=True)
+    taus = {'DFlash drafter': t, 'n-gram prompt lookup (same loop)': tn}
+    sampled = {'DFlash drafter': res['tau_sampled'], 'n-gram prompt lookup (same loop)': res['tau_ngram_sampled']} if 'tau_sampled' in res else None
+    measured = (f"Greedy speculative decoding" + (f' (and sampled at temperature {cfg.eval_temperature:g}, top_p {cfg.eval_top_p:g}, top_k {cfg.eval_top_k})'
+                if sampled else '') + f" of {cfg.eval_prompts} prompts of each of `{cfg.eval_data}`, {cfg.eval_max_new_tokens} new "
+                f"tokens each, at the end of training; the same measurement: `dflash_evaluate --target {target_name(cfg.target)} --drafter "
+                f"PATH --eval-data {cfg.eval_data} --num-prompts {cfg.eval_prompts} --max-new-tokens {cfg.eval_max_new_tokens}`.\n\n```\n{table}\n```")
+    return taus, sampled, measured
+
+
+# %% ../nbs/release.ipynb #9e6f7a36
+def _trained_how(cfg, trainer, chosen):
+    "The card's sentence on how the drafter was trained, and which step of the run it is (`chosen`)."
+    data = f'the extraction `{cfg.extracted}` (offline)' if not cfg.online else f'`{cfg.data}` (online, {cfg.targets} target ranks)'
+    start = f'Fine-tuned from the drafter `{cfg.init_from}`: ' if cfg.init_from else 'From random weights: '
+    levers = ', '.join(filter(None, [cfg.arch == 'dflash2' and f'DFlash2 (selector weight {cfg.selector_alpha})',
+                                     f'the {"D-PACE (alpha " + str(cfg.dpace_alpha) + ")" if cfg.loss == "dpace" else "decay"} loss',
+                                     cfg.optimizer if cfg.optimizer != 'adamw' else 'AdamW', cfg.train_vocab and f'a training vocabulary of {cfg.train_vocab} tokens',
+                                     cfg.precondition and 'preconditioned taps']))
+    return start + (f'{trainer.step} optimizer steps, {trainer.tokens} tokens, on {data}, with dflash: {cfg.drafters} drafter ranks, '
+                    f'lr {cfg.lr}, {cfg.num_anchors} anchors per sequence, token budget {cfg.token_budget}, seed {cfg.seed}, {levers}.') + chosen
+
+
 # %% ../nbs/release.ipynb #5171b815
 def _publish(cfg, trainer, probe, device, validator=None):
     "Save the published drafter (bf16 for a real target), measure tau beside the n-gram baseline, write its model card."
@@ -34,38 +75,10 @@ def _publish(cfg, trainer, probe, device, validator=None):
     if bad := [k for k, v in model.served_state_dict().items() if not torch.isfinite(v).all()]:
         raise FloatingPointError(f'the drafter to publish has non-finite weights ({", ".join(bad[:3])}): nothing is saved in {cfg.out}/drafter')
     path = save_drafter(model, Path(cfg.out) / 'drafter', None if cfg.demo else torch.bfloat16)
-    res, taus, measured, sampled = dict(drafter=str(path)), {}, '', None
+    res = dict(drafter=str(path))
     if validator is not None and validator.best:
         res.update(best_step=validator.best['step'], val_tau=validator.best['val_tau'], val_tau_se=validator.best['val_tau_se'])
-    if cfg.final_eval:
-        t0 = time.time(); (t, r), (tn, rn) = probe(model), probe(NgramDrafter())
-        lossless = all(x['lossless'] for x in [*r.values(), *rn.values()])
-        res.update(tau=t, tau_ngram=tn, lossless=lossless, tau_by_file={f: x['tau'] for f, x in r.items()})
-        rec = dict(step=res.get('best_step', trainer.step), tau=t, tau_ngram=tn, lossless=lossless, tau_eval_s=time.time() - t0, time=time.time(), final=True)
-        append_jsonl(Path(cfg.out) / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
-        results = {f: {'dflash': r[f], 'ngram': rn[f]} for f in r}
-        if cfg.eval_temperature > 0:                     # the same prompts sampled, as served at that temperature
-            hot = TauProbe(cfg.target, cfg.eval_data, cfg.eval_prompts, cfg.eval_max_new_tokens, cfg.dtype, device, cfg.eval_temperature,
-                           cfg.eval_top_p, cfg.eval_top_k, cfg.seed)
-            hot.target, hot.sets = probe.target, probe.sets                    # one target, its greedy decodes measure nothing here
-            (ts, rs), (tns, rns) = hot(model), hot(NgramDrafter())
-            res.update(tau_sampled=ts, tau_ngram_sampled=tns, eval_temperature=cfg.eval_temperature)
-            for f in results: results[f].update({f'dflash T={cfg.eval_temperature:g}': rs[f], f'ngram T={cfg.eval_temperature:g}': rns[f]})
-        table = tau_table(results)
-        print(table, flush=True)
-        taus = {'DFlash drafter': t, 'n-gram prompt lookup (same loop)': tn}
-        sampled = {'DFlash drafter': res['tau_sampled'], 'n-gram prompt lookup (same loop)': res['tau_ngram_sampled']} if 'tau_sampled' in res else None
-        measured = (f"Greedy speculative decoding" + (f' (and sampled at temperature {cfg.eval_temperature:g}, top_p {cfg.eval_top_p:g}, top_k {cfg.eval_top_k})'
-                    if sampled else '') + f" of {cfg.eval_prompts} prompts of each of `{cfg.eval_data}`, {cfg.eval_max_new_tokens} new "
-                    f"tokens each, at the end of training; the same measurement: `dflash_evaluate --target {target_name(cfg.target)} --drafter "
-                    f"PATH --eval-data {cfg.eval_data} --num-prompts {cfg.eval_prompts} --max-new-tokens {cfg.eval_max_new_tokens}`.\n\n```\n{table}\n```")
-    data = f'the extraction `{cfg.extracted}` (offline)' if not cfg.online else f'`{cfg.data}` (online, {cfg.targets} target ranks)'
-    start = f'Fine-tuned from the drafter `{cfg.init_from}`: ' if cfg.init_from else 'From random weights: '
-    levers = ', '.join(filter(None, [cfg.arch == 'dflash2' and f'DFlash2 (selector weight {cfg.selector_alpha})',
-                                     f'the {"D-PACE (alpha " + str(cfg.dpace_alpha) + ")" if cfg.loss == "dpace" else "decay"} loss',
-                                     cfg.optimizer if cfg.optimizer != 'adamw' else 'AdamW', cfg.train_vocab and f'a training vocabulary of {cfg.train_vocab} tokens',
-                                     cfg.precondition and 'preconditioned taps']))
-    model_card(path, start + f'{trainer.step} optimizer steps, {trainer.tokens} tokens, on {data}, with dflash: {cfg.drafters} drafter ranks, '
-                     f'lr {cfg.lr}, {cfg.num_anchors} anchors per sequence, token budget {cfg.token_budget}, seed {cfg.seed}, {levers}.' + chosen,
-               taus, measured, cfg.eval_temperature if sampled else None, sampled)
+    taus, sampled, measured = _measure(cfg, trainer, probe, model, device, res) if cfg.final_eval else ({}, None, '')
+    model_card(path, _trained_how(cfg, trainer, chosen), taus, measured, cfg.eval_temperature if sampled else None, sampled)
     return res
+

@@ -382,7 +382,7 @@ def evaluate_job(*args, **kw):
     drafters = {'dflash': load_drafter(job.drafter, target)} if job.drafter else {}
     out.mkdir(parents=True, exist_ok=True); job.save(out / 'config.json')
     drafters['ngram'] = NgramDrafter()
-    B = drafters['dflash'].block_size if job.drafter else 16
+    B = None                                 # each drafter its own block: the drafter's, n-gram 16 (as in training's final loop)
     results = {}
     for f, prompts in sets.items():
         results[f] = evaluate_many(target, drafters, prompts, job.max_new_tokens, B, progress=True)

@@ -218,6 +218,7 @@ def test_job_tau_per_file_and_drafter(tok, hybrid, save_target, tmp_path, capsys
     assert 'Lossless: every one of the 6 speculative outputs' in text
     saved = json.loads((tmp_path / 'eval/results.json').read_text())
     assert saved['results'][str(tmp_path / 'asks.json')]['dflash']['block_size'] == 8
+    assert saved['results'][str(tmp_path / 'asks.json')]['ngram']['block_size'] == 16      # n-gram drafts its own 15, as in training's final loop
     assert load_drafter(tmp_path / 'drafter', m).block_size == 8
 
 # --- sampled decoding: lossless in distribution

@@ -6,7 +6,7 @@
 __all__ = ['RECIPE', 'DEMO', 'SLIDING', 'FULL', 'TrainConfig', 'rank_device', 'data_token_ids', 'resolve_mask_token',
            'label_counts', 'frequent_labels', 'layer_type_list', 'is_hybrid', 'resolve_layer_types', 'resolve_arch',
            'adopt_checkpoint', 'init_config', 'check_weights', 'resolve_init_from', 'drafter_for', 'load_init',
-           'make_optimizer']
+           'newton_schulz', 'Muon', 'make_optimizer']
 
 # %% ../nbs/recipe.ipynb #16cd1c0e
 from dataclasses import dataclass
@@ -332,6 +332,42 @@ def load_init(model, path):
     model.load_state_dict(src.state_dict())
     return model
 
+# %% ../nbs/recipe.ipynb #9d1c2a71
+import math
+
+def newton_schulz(g, steps=5, coefs=(3.4445, -4.7750, 2.0315), eps=1e-7, dtype=torch.float32):
+    "`g` orthogonalized (its singular values pushed to about [0.7, 1.2]) by `steps` quintic Newton-Schulz iterations in `dtype`."
+    x, wide = g.to(dtype), g.size(0) <= g.size(1)
+    x = (x if wide else x.T) / x.norm().clamp(min=eps)
+    a, b, c = coefs
+    for _ in range(steps):
+        A = x @ x.T
+        x = a * x + (b * A + c * A @ A) @ x
+    return (x if wide else x.T).to(g.dtype)
+
+def _lr_scale(adjust_lr_fn, shape):
+    "torch's Muon's learning-rate ratio for a weight of `shape`: 'match_rms_adamw' sizes an update like AdamW's."
+    A, B = shape[:2]
+    if adjust_lr_fn == 'match_rms_adamw': return 0.2 * math.sqrt(max(A, B))
+    return math.sqrt(max(1, A / B)) if adjust_lr_fn in (None, 'original') else 1.0
+
+class Muon(torch.optim.Muon):
+    "torch's Muon, its Newton-Schulz iterations in fp32 when the weights are on a CPU (the same rule and state)."
+    @torch.no_grad()
+    def step(self, closure=None):
+        if any(p.device.type != 'cpu' for g in self.param_groups for p in g['params']): return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad(): loss = closure()
+        for g in self.param_groups:
+            ps, grads, bufs = [], [], []
+            self._init_group(g, ps, grads, bufs)
+            for p, grad, buf in zip(ps, grads, bufs):
+                buf.lerp_(grad, 1 - g['momentum'])
+                u = newton_schulz(grad.lerp(buf, g['momentum']) if g['nesterov'] else buf, g['ns_steps'], g['ns_coefficients'], g['eps'])
+                p.mul_(1 - g['lr'] * g['weight_decay']).add_(u, alpha=-g['lr'] * _lr_scale(g['adjust_lr_fn'], p.shape))
+        return loss
+
 # %% ../nbs/recipe.ipynb #fc49514f
 class _Several:
     "Optimizers (or schedulers) used as one: `step`, `zero_grad`, `state_dict`, `load_state_dict`, `get_last_lr` of the first."
@@ -351,5 +387,5 @@ def make_optimizer(model, cfg, lr_lambda):
     mats = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     two_d = [p for p in model.parameters() if id(p) in mats and p.ndim == 2]
     rest = [p for p in model.parameters() if id(p) not in mats]
-    opts = [torch.optim.Muon(two_d, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn='match_rms_adamw'), adamw(rest)]
+    opts = [Muon(two_d, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn='match_rms_adamw'), adamw(rest)]
     return _Several(opts), _Several([sched(o) for o in opts])

@@ -157,7 +157,7 @@ def test_ddp_2x2_grad_accum(work, tmp_path):
 def test_collectives_run_on_the_group_device(monkeypatch):
     "drafters > 1 on CUDA: NCCL takes tensors on the group's device only, so every all-reduce gets its tensor moved there."
     from types import SimpleNamespace
-    from dflash.train import Trainer
+    from dflash.trainer import Trainer
     seen = []
     monkeypatch.setattr(torch.distributed, 'all_reduce', lambda t, group=None: seen.append(t.device))
     drafter = SimpleNamespace(group=object(), cfg=SimpleNamespace(drafters=2), device=torch.device('meta'))   # a device that is not the CPU

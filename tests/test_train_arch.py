@@ -11,7 +11,8 @@ from dflash.shards import ExtractedDataset, OfflineSource
 from dflash.batching import Plan
 from dflash.dist import Coord
 from dflash.recipe import TrainConfig
-from dflash.train import Trainer, train, train_cli
+from dflash.trainer import Trainer
+from dflash.train import train, train_cli
 from dflash.dflash2 import DFlash2DraftModel
 from dflash.evaluate import load_drafter
 from conftest import write_published_dflash2

@@ -9,7 +9,7 @@ __all__ = ['ROOT', 'DATA', 'TINY_TARGET', 'TRAIN_DATA', 'HELDOUT_DATA', 'REGEN_D
            'run_cli']
 
 # %% ../nbs/core.ipynb #d0542ba4
-import argparse, hashlib, json, os, queue, sys, tempfile, threading, time, traceback, types, typing
+import argparse, hashlib, json, math, os, queue, sys, tempfile, threading, time, traceback, types, typing
 from dataclasses import field, fields
 from pathlib import Path
 
@@ -90,9 +90,11 @@ class Feeder:
         return item
 
 # %% ../nbs/core.ipynb #c0907ef8
-def param(default=None, help='', *, min=None, max=None, choices=None, gt=None):
-    "A job parameter: a dataclass field with its `default`, `help` text and allowed values (`min`, `max`, `choices`; `gt`: above, not equal)."
-    return field(default=default, metadata=dict(help=help, min=min, max=max, choices=choices, gt=gt))
+def param(default=None, help='', *, min=None, max=None, choices=None, gt=None, least=None, off=False, needs=None):
+    """A job parameter: a dataclass field with its `default`, `help` text and allowed values (`min`, `max`, `choices`; `gt`: above, not
+    equal; `least`: 0 or at least this). `off`: the text `none` turns it off (kept as 'none', never read as None, which means the
+    default). `needs`: `(predicate of the job, what it says)`, when the setting has an effect at all (`Job.inert`)."""
+    return field(default=default, metadata=dict(help=help, min=min, max=max, choices=choices, gt=gt, least=least, off=off, needs=needs))
 
 def target_param():
     "The `target` parameter every job has."
@@ -131,7 +133,9 @@ def check_param(f, v):
     if isinstance(v, str) and list in kinds and str not in kinds:   # papermill's -p passes '[1, 9, 17]' as text
         try: v = [int(x) for x in v.replace(' ', '').strip('[]').split(',') if x]
         except ValueError: pass
+    if m.get('off') and isinstance(v, str) and v.lower() in ('none', 'off'): v = 'none'
     if not _fits(v, kinds): raise ValueError(f'{f.name}={v!r}: must be {_type_name(f.type)}')
+    if isinstance(v, float) and not math.isfinite(v): raise ValueError(f'{f.name}={v!r}: must be a finite number')
     if float in kinds and isinstance(v, int) and not isinstance(v, bool): v = float(v)
     if isinstance(v, tuple): v = list(v)
     if m.get('choices') and v is not None and not isinstance(v, (int, float)) and v not in m['choices']:
@@ -142,19 +146,30 @@ def check_param(f, v):
             rng = f'>= {lo}' if hi is None else f'<= {hi}' if lo is None else f'in [{lo}, {hi}]'
             raise ValueError(f'{f.name}={v!r}: must be {rng}')
         if m.get('gt') is not None and v <= m['gt']: raise ValueError(f"{f.name}={v!r}: must be > {m['gt']}")
+        if m.get('least') is not None and 0 < v < m['least']: raise ValueError(f"{f.name}={v!r}: must be 0 or >= {m['least']}")
     return v
 
 # %% ../nbs/core.ipynb #7ed7c1fb
 class Job:
     "Base of the job dataclasses: parameters checked when built, their origins, a generated CLI, a saved config."
+    inert_later = False                          # True: the job resolves settings first, then calls `warn_inert` itself
+
+    def __new__(cls, *args, **kw):               # the names the caller gave, before the dataclass fills in the defaults
+        self = super().__new__(cls)
+        self._given = {f.name for f in fields(cls)[:len(args)]} | set(kw)
+        return self
+
     def __post_init__(self):
-        self.origins = {f.name: 'default' if getattr(self, f.name) == f.default else 'given' for f in fields(self)}
+        self.origins = {f.name: 'given' if f.name in self._given else 'default' for f in fields(self)}
         for f in fields(self): setattr(self, f.name, check_param(f, getattr(self, f.name)))
         self.check()
+        if not self.inert_later: self.warn_inert()
 
     def check(self):
         "Checks across parameters (subclasses add theirs); the single ones are already done."
         return self
+
+    def given(self, name): return self.origins.get(name) == 'given'
 
     def set(self, name, value, origin):
         "Set a parameter the job chose itself (checked like any other), recording why."
@@ -162,10 +177,30 @@ class Job:
         setattr(self, name, check_param(f, value)); self.origins[name] = origin
         return self
 
+    def inert(self):
+        "What each setting the user gave says of itself when the run never reads it (its `needs` is false)."
+        return [f'{f.name}={getattr(self, f.name)!r} has no effect: it is read only with {f.metadata["needs"][1]}'
+                for f in fields(self) if f.metadata.get('needs') and self.given(f.name) and not f.metadata['needs'][0](self)]
+
+    def warn_inert(self):
+        "Print one warning per setting the user gave that the run does not read (`inert`); they go to `config.json` too."
+        self.warnings = self.inert()
+        for w in self.warnings: print(f'warning: {w}', file=sys.stderr, flush=True)
+        return self.warnings
+
     @classmethod
     def from_params(cls, ns):
-        "The job from a namespace holding its parameters by name (a notebook's `globals()` after papermill's cell)."
-        return cls(**{f.name: ns[f.name] for f in fields(cls) if f.name in ns})
+        "The job from a namespace holding its parameters by name (a notebook's `globals()` after papermill's cell); None: not given."
+        return cls(**{f.name: ns[f.name] for f in fields(cls) if ns.get(f.name) is not None})
+
+    @classmethod
+    def load(cls, path):
+        "The job saved in `path` (`save`), with the origins it had: what each rank of a launched job runs."
+        d = json.loads(Path(path).read_text()) if not isinstance(path, dict) else path
+        job = cls.__new__(cls)                   # no check: it ran when the job was prepared
+        for k, v in d['config'].items(): setattr(job, k, v)
+        job._given, job.origins, job.warnings = set(), dict(d.get('origins', {})), d.get('warnings', [])
+        return job
 
     def to_dict(self): return {f.name: getattr(self, f.name) for f in fields(self)}
 
@@ -180,8 +215,9 @@ class Job:
         return f'{type(self).__name__}:\n{self.describe()}'
 
     def save(self, path):
-        "Write the resolved parameters, with their origins, to `path` (JSON)."
-        return write_json_atomic(path, dict(job=type(self).__name__, config=self.to_dict(), origins=self.origins))
+        "Write the resolved parameters, with their origins (and the warnings it gave), to `path` (JSON)."
+        return write_json_atomic(path, dict(job=type(self).__name__, config=self.to_dict(), origins=self.origins,
+                                            warnings=getattr(self, 'warnings', [])))
 
 # %% ../nbs/core.ipynb #a3f35616
 _OWNERS = {'manifest.json': 'ExtractConfig', 'meta.json': 'PrepareConfig', 'run.json': 'TrainConfig', 'checkpoints': 'TrainConfig',
@@ -215,6 +251,7 @@ def set_aside(out, names):
 def _parse(f):
     kinds = _kinds(f.type)
     def conv(s):
+        if s.lower() in ('none', 'off') and f.metadata.get('off'): return 'none'
         if s in ('None', 'none', '') and type(None) in kinds: return None
         if list in kinds: return [int(x) for x in s.replace(' ', '').strip('[]').split(',') if x]
         for k in (int, float):
@@ -228,15 +265,15 @@ def _parse(f):
     return conv
 
 def job_parser(job, prog, description=None):
-    "An `argparse` parser with one option per parameter of the `Job` dataclass `job`."
-    p = argparse.ArgumentParser(prog=prog, description=description or job.__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """An `argparse` parser with one option per parameter of the `Job` dataclass `job`. Only the options given land in the
+    namespace (the job fills in its defaults), so the job knows which ones the user gave."""
+    p = argparse.ArgumentParser(prog=prog, description=description or job.__doc__, argument_default=argparse.SUPPRESS)
     for f in fields(job):
         names = list(dict.fromkeys(['--' + f.name.replace('_', '-'), '--' + f.name]))
-        h = f.metadata.get('help') or ' '
-        if bool in _kinds(f.type): p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=h)
-        else: p.add_argument(*names, dest=f.name, type=_parse(f), default=f.default, help=h, metavar=f.name.upper())
-    p.add_argument('--debug', action='store_true', help='on failure, show the whole traceback instead of one line')
+        h = (f.metadata.get('help') or ' ') + f' (default: {f.default})'.replace('%', '%%')
+        if bool in _kinds(f.type): p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, help=h)
+        else: p.add_argument(*names, dest=f.name, type=_parse(f), help=h, metavar=f.name.upper())
+    p.add_argument('--debug', action='store_true', default=False, help='on failure, show the whole traceback instead of one line')
     return p
 
 # %% ../nbs/core.ipynb #2cdbb667

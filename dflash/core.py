@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['ROOT', 'DATA', 'TINY_TARGET', 'TRAIN_DATA', 'HELDOUT_DATA', 'REGEN_DATA', 'HELDOUT_REGEN', 'RUNS',
            'write_json_atomic', 'read_jsonl', 'append_jsonl', 'read_metrics', 'file_sha256', 'Feeder', 'param',
-           'target_param', 'data_param', 'out_param', 'check_param', 'Job', 'claim_out', 'set_aside', 'job_parser',
-           'run_cli']
+           'target_param', 'data_param', 'out_param', 'check_param', 'Job', 'claim_out', 'first_free', 'set_aside',
+           'job_parser', 'run_cli']
 
 # %% ../nbs/core.ipynb #d0542ba4
 import argparse, hashlib, json, math, os, queue, sys, tempfile, threading, time, traceback, types, typing
@@ -160,7 +160,7 @@ class Job:
         return self
 
     def __post_init__(self):
-        self.origins = {f.name: 'given' if f.name in self._given else 'default' for f in fields(self)}
+        self.origins, self.warnings = {f.name: 'given' if f.name in self._given else 'default' for f in fields(self)}, []
         for f in fields(self): setattr(self, f.name, check_param(f, getattr(self, f.name)))
         self.check()
         if not self.inert_later: self.warn_inert()
@@ -182,10 +182,13 @@ class Job:
         return [f'{f.name}={getattr(self, f.name)!r} has no effect: it is read only with {f.metadata["needs"][1]}'
                 for f in fields(self) if f.metadata.get('needs') and self.given(f.name) and not f.metadata['needs'][0](self)]
 
+    def warn(self, msg):
+        "Say `msg` as a warning (standard error), and keep it for `config.json`."
+        print(f'warning: {msg}', file=sys.stderr, flush=True); self.warnings.append(msg)
+
     def warn_inert(self):
-        "Print one warning per setting the user gave that the run does not read (`inert`); they go to `config.json` too."
-        self.warnings = self.inert()
-        for w in self.warnings: print(f'warning: {w}', file=sys.stderr, flush=True)
+        "One warning per setting the user gave that the run does not read (`inert`)."
+        for w in self.inert(): self.warn(w)
         return self.warnings
 
     @classmethod
@@ -236,6 +239,12 @@ def claim_out(out, job):
     owner = owner or next((j for f, j in _OWNERS.items() if (out / f).exists()), None)
     if owner and owner != name: raise ValueError(f'out: {out} holds the results of another job ({owner}); choose another out for this {name}')
     return out
+
+def first_free(make):
+    "The first of the paths `make(1)`, `make(2)`, ... that does not exist: a name for what is set aside, never over an earlier one."
+    k = 1
+    while (p := Path(make(k))).exists(): k += 1
+    return p
 
 def set_aside(out, names):
     "Move the entries `names` of `out` into a new `out/previous-<time>/` (nothing is deleted); returns that folder, or None."

@@ -335,10 +335,10 @@ class EvalConfig(Job):
     max_new_tokens: int = param(64, 'tokens decoded per prompt', min=1)
     out: str | None = out_param('evaluate', 'results.json and plots')
     dtype: str | None = param(None, "the target's dtype: bf16, fp16 or fp32; None: bf16 on GPU, fp32 on CPU", choices=('bf16', 'fp16', 'fp32'))
-    temperature: float = param(0.0, 'also measure tau sampling at this temperature (0: greedy only)', min=0)
-    top_p: float = param(1.0, 'sampling: keep the most likely tokens up to this mass', gt=0, max=1)
-    top_k: int = param(0, 'sampling: keep the k most likely tokens (0: all)', min=0)
-    seed: int = param(0, 'seed of the sampled decodes', min=0)
+    temperature: float = param(0.0, 'also measure tau sampling at this temperature (0: greedy only)', min=0, least=1e-3)
+    top_p: float = param(1.0, 'sampling: keep the most likely tokens up to this mass', gt=0, max=1, needs=(lambda j: j.temperature > 0, 'temperature > 0'))
+    top_k: int = param(0, 'sampling: keep the k most likely tokens (0: all)', min=0, needs=(lambda j: j.temperature > 0, 'temperature > 0'))
+    seed: int = param(0, 'seed of the sampled decodes', min=0, needs=(lambda j: j.temperature > 0, 'temperature > 0'))
 
     def check(self):
         if self.target is None: self.set('target', str(TINY_TARGET), 'the embedded target')

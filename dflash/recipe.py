@@ -5,15 +5,15 @@
 # %% auto #0
 __all__ = ['RECIPE', 'DEMO', 'SLIDING', 'FULL', 'TrainConfig', 'rank_device', 'data_token_ids', 'resolve_mask_token',
            'label_counts', 'frequent_labels', 'layer_type_list', 'is_hybrid', 'resolve_layer_types', 'resolve_arch',
-           'adopt_checkpoint', 'init_config', 'check_weights', 'resolve_init_from', 'drafter_for', 'load_init',
-           'newton_schulz', 'Muon', 'make_optimizer']
+           'init_config', 'check_weights', 'resolve_init_from', 'drafter_for', 'load_init', 'newton_schulz', 'Muon',
+           'make_optimizer']
 
 # %% ../nbs/recipe.ipynb #16cd1c0e
 from dataclasses import dataclass
 from pathlib import Path
 import torch
 import numpy as np
-from .core import TINY_TARGET, TRAIN_DATA, REGEN_DATA, HELDOUT_DATA, HELDOUT_REGEN, RUNS, Job, param, target_param, data_param, out_param
+from .core import TINY_TARGET, TRAIN_DATA, REGEN_DATA, HELDOUT_DATA, HELDOUT_REGEN, RUNS, Job, param, target_param, data_param, out_param, file_sha256
 from .data import TokenizedDataset
 from .shards import ExtractedDataset
 from .publish import mask_token_choice
@@ -47,6 +47,7 @@ DEMO = dict(num_layers=1, block_size=16, num_anchors=16, lr=3e-3, warmup=0.05, m
 @dataclass
 class TrainConfig(Job):
     "Train a DFlash drafter: online (target ranks feed drafter ranks) or offline (from an extraction)."
+    inert_later = True                           # what a setting needs is known once `prepare_job` has resolved the run
     target: str | None = target_param()
     data: str | None = data_param()
     out: str | None = out_param('train', 'metrics.jsonl, checkpoints/, drafter/, PNGs')
@@ -80,32 +81,38 @@ class TrainConfig(Job):
     weight_decay: float | None = param(None, 'AdamW weight decay; None: 0 (recipe), 0.01 (demo)', min=0)
     loss: str | None = param(None, "the slots' weights: decay (exp(-(k-1)/gamma)) or dpace (from the drafter's own confidence, arXiv 2605.18810); None: dpace (recipe), decay (demo)",
                       choices=('decay', 'dpace'))
-    dpace_alpha: float = param(0.5, "D-PACE's smoothing of the confidence q: (1 - alpha) q + alpha", min=0, max=1)
-    selector_alpha: float = param(1.0, "DFlash2: the weight of the selector's cross-entropy in the loss", min=0)
+    dpace_alpha: float = param(0.5, "D-PACE's smoothing of the confidence q: (1 - alpha) q + alpha, in (0, 1] (at 0 the weights are products of "
+                               "the drafter's own confidence, about 1/V each: nothing is learnt)", gt=0, max=1,
+                               needs=(lambda c: c.loss == 'dpace', "loss='dpace'"))
+    selector_alpha: float = param(1.0, "DFlash2: the weight of the selector's cross-entropy in the loss", min=0,
+                                  needs=(lambda c: c.arch == 'dflash2', "arch='dflash2'"))
     optimizer: str = param('adamw', "adamw, or muon: Muon for the layers' 2-D weights and fc (lr matched to AdamW's update size), AdamW for the rest",
                            choices=('adamw', 'muon'))
     train_vocab: int | None = param(None, "the loss scores only the K most frequent label tokens of the training data (and each batch's "
                                     "labels); drafting uses the whole head. None or 0: the whole head", min=0)
     train_vocab_tail: int = param(0, "with train_vocab: rows of the other tokens also scored at each step, drawn at random, their logits raised "
-                                  "to stand for all the others (a sampled softmax), so that the whole head drafts well; 0: none", min=0)
+                                  "to stand for all the others (a sampled softmax), so that the whole head drafts well; 0: none", min=0,
+                                  needs=(lambda c: bool(c.train_vocab), 'train_vocab'))
     precondition: bool = param(False, "read the taps with a fixed scale per feature (1 / its RMS on the first batch), folded into fc's weights when saved")
     clip: float = param(1.0, 'gradient norm clip (0: off)', min=0)
     q_depth: int = param(20, 'HS queue: unconsumed batches per target rank at most (offline: prefetch depth)', min=1)
     seed: int = param(0, 'seed of the data order, the anchors and the initialization')
     log_every: int = param(10, 'optimizer steps between metrics.jsonl lines', min=1)
     val_data: str | None = param(None, "the target's own replies to held-out prompts (any file prepare reads): held-out acceptance every "
-                                 "eval_every steps and the best checkpoint; None: the embedded held-out replies (demo), none (a real target); 'none': off")
+                                 "eval_every steps and the best checkpoint; None: the embedded held-out replies (demo), none (a real target); 'none': off", off=True)
     val_extracted: str | None = param(None, 'an extraction of the validation split, instead of val_data (checked against the target and taps)')
     val_samples: int | None = param(None, 'validation conversations used; None: all (demo: 64)', min=1)
     val_anchors: int | None = param(None, 'blocks per validation conversation; None: one at every loss position (and the loop\'s walk)', min=1)
-    eval_every: int | None = param(None, 'steps between held-out acceptance evaluations (0: only at the end); None: 500 (recipe), 100 (demo)', min=0)
+    eval_every: int | None = param(None, 'steps between held-out acceptance evaluations (0: only at the end); None: 500 (recipe), 100 (demo)', min=0,
+                                   needs=(lambda c: c.validates, 'a validation split (val_data or val_extracted)'))
     tau_every: int = param(0, 'steps between lossless tau evaluations during training (slow; 0: only at the end)', min=0)
     eval_data: str | None = param(None, 'prompt files for tau, comma-separated; None: the embedded held-out split')
     eval_prompts: int | None = param(None, 'prompts per evaluation file; None: 16 (recipe), 8 (demo)', min=1)
     eval_max_new_tokens: int | None = param(None, 'tokens decoded per prompt; None: 256 (recipe), 64 (demo)', min=1)
-    eval_temperature: float = param(0.0, 'the lossless loop also samples at this temperature (eval_top_p, eval_top_k); 0: greedy only', min=0)
-    eval_top_p: float = param(1.0, 'top_p of the sampled lossless loop', gt=0, max=1)
-    eval_top_k: int = param(0, 'top_k of the sampled lossless loop (0: all)', min=0)
+    eval_temperature: float = param(0.0, 'the lossless loop also samples at this temperature (eval_top_p, eval_top_k); 0: greedy only', min=0,
+                                    least=1e-3)
+    eval_top_p: float = param(1.0, 'top_p of the sampled lossless loop', gt=0, max=1, needs=(lambda c: c.eval_temperature > 0, 'eval_temperature > 0'))
+    eval_top_k: int = param(0, 'top_k of the sampled lossless loop (0: all)', min=0, needs=(lambda c: c.eval_temperature > 0, 'eval_temperature > 0'))
     report_to: str = report_to_param()
     final_eval: bool = param(True, 'measure tau (and the n-gram baseline) at the end')
     verify: bool = param(True, "offline: check each shard's sha256 once, before its data is used")
@@ -149,6 +156,8 @@ class TrainConfig(Job):
             self.set('val_data', str(HELDOUT_REGEN), "demo: the embedded held-out prompts, replies regenerated by the target")
         if self.val_data is not None and self.val_data != 'none' and not Path(self.val_data).exists():
             raise FileNotFoundError(f'val_data: no such file or directory: {self.val_data}')
+        if self.val_data not in (None, 'none'): self.val_data = str(Path(self.val_data).resolve())
+        self._check_validation()
         if self.val_extracted is not None and not (Path(self.val_extracted) / 'manifest.json').exists():
             raise FileNotFoundError(f'val_extracted: {self.val_extracted} is not an extraction (no manifest.json)')
         if self.out is None: self.set('out', str(RUNS / 'train'), 'default')
@@ -157,10 +166,23 @@ class TrainConfig(Job):
         if self.online and not Path(self.data).exists(): raise FileNotFoundError(f'data: no such file or directory: {self.data}')
         if not self.online and not (Path(self.extracted) / 'manifest.json').exists():
             raise FileNotFoundError(f'extracted: {self.extracted} is not an extraction (no manifest.json)')
+        if self.resume and self.overwrite:
+            raise ValueError('resume=True continues the run in out; overwrite=True sets it aside and starts a new one: give one of them')
         if self.nnodes > 1 and not self.rdzv_endpoint: raise ValueError(f'nnodes={self.nnodes}: give rdzv_endpoint=HOST:PORT (the same on every machine)')
         if self.world % self.nnodes: raise ValueError(f'{self.world} ranks do not split evenly over nnodes={self.nnodes}')
         check_trackers(self.report_to)
         return self
+
+    def _check_validation(self):
+        "The held-out split is given once, and is not the training data (the best drafter would be picked on what it trained on)."
+        if self.val_data not in (None, 'none') and self.val_extracted is not None and self.given('val_data'):
+            raise ValueError(f'val_data={self.val_data!r} and val_extracted={self.val_extracted!r}: give one validation split, not both')
+        if self.val_data in (None, 'none') or not self.online or not Path(self.data).is_file(): return
+        same = Path(self.data).resolve() == Path(self.val_data) or (
+            Path(self.val_data).is_file() and Path(self.data).stat().st_size == Path(self.val_data).stat().st_size
+            and file_sha256(self.data) == file_sha256(self.val_data))
+        if same: raise ValueError(f'val_data: {self.val_data} is the training data ({self.data}): held-out acceptance must be measured on '
+                                  'conversations the drafter does not train on (the target\'s replies to held-out prompts)')
 
     def roles(self):
         "Role name of every rank."
@@ -247,15 +269,6 @@ def resolve_arch(cfg, target_config):
     if open_('block_size'): cfg.set('block_size', 8, why)
     if cfg.layer_types is None: cfg.set('layer_types', ','.join([SLIDING] * cfg.num_layers), why)
     if open_('is_causal') and cfg.is_causal is None: cfg.set('is_causal', False, why)
-
-def adopt_checkpoint(cfg, old):
-    "On resume: the mask token and layers the checkpoint's run had (`old`: its config), where this run leaves them unset."
-    if cfg.mask_token_id is None and old.get('mask_token_id') is not None: cfg.set('mask_token_id', old['mask_token_id'], "the checkpoint's")
-    if cfg.layer_types is None:   # a run from before layer types had full attention in every layer
-        cfg.set('layer_types', old.get('layer_types') or ','.join([FULL] * cfg.num_layers), "the checkpoint's")
-    if cfg.sliding_window is None and old.get('sliding_window'): cfg.set('sliding_window', old['sliding_window'], "the checkpoint's")
-    for k in ('block_size', 'is_causal'):                 # what `resolve_arch` chose for the run that wrote it
-        if k in old and cfg.origins.get(k, 'default') != 'given' and getattr(cfg, k) != old[k]: cfg.set(k, old[k], "the checkpoint's")
 
 # %% ../nbs/recipe.ipynb #b15f8912
 def init_config(path):

@@ -6,7 +6,7 @@
 __all__ = []
 
 # %% ../nbs/release.ipynb #719d01b6
-import time
+import math, time
 from pathlib import Path
 import torch
 from .core import append_jsonl
@@ -24,7 +24,16 @@ def _chosen(cfg, trainer, validator, device):
     model.attach_target(embed_tokens=trainer.model._io()[0], lm_head=trainer.model._io()[1])
     return model, (f" Published: the step-{b['step']} drafter, the best of the run by held-out acceptance (simulated tau {b['val_tau']:.3f} "
                    f"+- {b['val_tau_se']:.3f} on {b['val_sequences']} held-out conversations of the target's own replies"
-                   + (f', {b["val_tau_walk"]:.3f} along the lossless loop\'s path' if b.get('val_tau_walk') else '') + f'; the run ended at step {last}).')
+                   + (f', {b["val_tau_walk"]:.3f} along the lossless loop\'s path' if b.get('val_tau_walk') else '') + f'; the run ended at step {last}).'
+                   + _resolution(b, getattr(validator, 'last', None)))
+
+def _resolution(b, last):
+    "The card's word on a pick within the figure's resolution: the last evaluation's figure no further from the best's than their errors."
+    if not last or last['step'] == b['step']: return ''
+    se = math.hypot(*(x if x is not None and math.isfinite(x) else 0.0 for x in (b.get('val_tau_se'), last.get('val_tau_se'))))
+    if abs(last['val_tau'] - b['val_tau']) > se: return ''
+    return (f" The last evaluation (step {last['step']}: {last['val_tau']:.3f} +- {last['val_tau_se']:.3f}) lies within the resolution of this "
+            "figure: the two drafters accept alike on this split, and the lower held-out loss chose between them.")
 
 # %% ../nbs/release.ipynb #04da6699
 def _measure(cfg, trainer, probe, model, device, res):
@@ -45,14 +54,15 @@ def _measure(cfg, trainer, probe, model, device, res):
         for f in results: results[f].update({f'dflash T={cfg.eval_temperature:g}': rs[f], f'ngram T={cfg.eval_temperature:g}': rns[f]})
     table = tau_table(results)
     print(table, flush=True)
-    taus = {'DFlash drafter': t, 'n-gram prompt lookup (same loop)': tn}
-    sampled = {'DFlash drafter': res['tau_sampled'], 'n-gram prompt lookup (same loop)': res['tau_ngram_sampled']} if 'tau_sampled' in res else None
+    name = f"{type(model).__name__.removesuffix('DraftModel')} drafter"        # DFlash drafter, DFlash2 drafter
+    taus = {name: t, 'n-gram prompt lookup (same loop)': tn}
+    sampled = {name: res['tau_sampled'], 'n-gram prompt lookup (same loop)': res['tau_ngram_sampled']} if 'tau_sampled' in res else None
+    hot = (f' --temperature {cfg.eval_temperature:g} --top-p {cfg.eval_top_p:g} --top-k {cfg.eval_top_k} --seed {cfg.seed}') if sampled else ''
     measured = (f"Greedy speculative decoding" + (f' (and sampled at temperature {cfg.eval_temperature:g}, top_p {cfg.eval_top_p:g}, top_k {cfg.eval_top_k})'
                 if sampled else '') + f" of {cfg.eval_prompts} prompts of each of `{cfg.eval_data}`, {cfg.eval_max_new_tokens} new "
                 f"tokens each, at the end of training; the same measurement: `dflash_evaluate --target {target_name(cfg.target)} --drafter "
-                f"PATH --eval-data {cfg.eval_data} --num-prompts {cfg.eval_prompts} --max-new-tokens {cfg.eval_max_new_tokens}`.\n\n```\n{table}\n```")
+                f"PATH --eval-data {cfg.eval_data} --num-prompts {cfg.eval_prompts} --max-new-tokens {cfg.eval_max_new_tokens}{hot}`.\n\n```\n{table}\n```")
     return taus, sampled, measured
-
 
 # %% ../nbs/release.ipynb #9e6f7a36
 def _trained_how(cfg, trainer, chosen):
@@ -65,7 +75,6 @@ def _trained_how(cfg, trainer, chosen):
                                      cfg.precondition and 'preconditioned taps']))
     return start + (f'{trainer.step} optimizer steps, {trainer.tokens} tokens, on {data}, with dflash: {cfg.drafters} drafter ranks, '
                     f'lr {cfg.lr}, {cfg.num_anchors} anchors per sequence, token budget {cfg.token_budget}, seed {cfg.seed}, {levers}.') + chosen
-
 
 # %% ../nbs/release.ipynb #5171b815
 def _publish(cfg, trainer, probe, device, validator=None):
@@ -81,4 +90,3 @@ def _publish(cfg, trainer, probe, device, validator=None):
     taus, sampled, measured = _measure(cfg, trainer, probe, model, device, res) if cfg.final_eval else ({}, None, '')
     model_card(path, _trained_how(cfg, trainer, chosen), taus, measured, cfg.eval_temperature if sampled else None, sampled)
     return res
-

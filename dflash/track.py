@@ -79,9 +79,17 @@ class _TensorBoard:
         for k, v in m.items(): self.w.add_scalar(k, v, step, walltime=t)
     def close(self, ok): self.w.close()
 
+def _writable(d, what):
+    "Refuse a folder `d` a tracker cannot write to, naming it: such a tracker records nothing and says so only as a warning mid-run."
+    try:
+        Path(d).mkdir(parents=True, exist_ok=True)
+        p = Path(d) / f'.dflash-write-check-{os.getpid()}'; p.write_bytes(b'x'); p.unlink()
+    except OSError as e: raise OSError(f'{what} {d} is not writable ({e.strerror or e})') from None
+
 class _Trackio:
     def start(self, out, run, state, config, resume_step, project):
         import trackio, trackio.utils
+        _writable(trackio.utils.TRACKIO_DIR, 'its store, TRACKIO_DIR')
         project = (state or {}).get('project') or project
         self.run = trackio.init(project=project, name=run, config=config, resume='allow' if state else 'never', embed=False,
                                 auto_log_cpu=False, auto_log_gpu=False)

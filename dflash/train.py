@@ -22,12 +22,12 @@ from .extract import extract
 from .publish import mask_token_for
 from .evaluate import TauProbe, load_prompts
 from .dist import Coord, HSSender, OnlineSource, launch, peer_lost, store_from_env
-from .validate import Validator
+from .validate import Validator, check_best
 from .metrics import follow, val_line
-from .recipe import (TrainConfig, rank_device, resolve_mask_token, resolve_layer_types, resolve_init_from, adopt_checkpoint,
+from .recipe import (TrainConfig, rank_device, resolve_mask_token, resolve_layer_types, resolve_init_from,
                            make_optimizer, frequent_labels, resolve_arch)
 from .balance import auto_split
-from .checkpoint import latest_checkpoint, _resume_changes
+from .checkpoint import latest_checkpoint, adopt_checkpoint, _resume_changes, VAL_KEYS
 from .release import _publish
 from .trainer import Trainer
 
@@ -132,7 +132,7 @@ def run_drafter(cfg, coord, d, plan, ds, device, group, pg, stop):
         rec = dict(step=trainer.step, tau=t, tau_eval_s=time.time() - t0, time=time.time())
         append_jsonl(trainer.out / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
     validator = (Validator(cfg.val_extracted, cfg.out, cfg.token_budget, cfg.val_anchors, cfg.val_samples, cfg.eval_max_new_tokens, cfg.seed,
-                           step=trainer.step)
+                           step=trainer.step, remeasure=bool(set(trainer.changed) & set(VAL_KEYS)))
                  if d == 0 and cfg.val_extracted else None)
     def validate(trainer):
         rec = validator(trainer.model, trainer.step)
@@ -156,17 +156,57 @@ def run_drafter(cfg, coord, d, plan, ds, device, group, pg, stop):
 RUN_FILES = ('metrics.jsonl', 'checkpoints', 'drafter', 'result.json', 'run.json', 'logs', 'val', 'loss.png', 'accuracy.png', 'throughput.png',
              'queue.png', 'dashboard.png', 'trackers.json', 'tensorboard', 'wandb', 'mlruns')
 
-def _validation(cfg, out):
+def _training_sha(cfg, ds):
+    "The fingerprint of the run's training data: of the tokenized dataset (online), as its extraction records it (offline)."
+    return ds.fingerprint() if cfg.online else ds.manifest.get('dataset_sha256')
+
+def _not_training_data(cfg, ds):
+    "Refuse a validation extraction that holds the training data (the same folder, or the same dataset's fingerprint)."
+    v = ExtractedDataset(cfg.val_extracted)
+    same_dir = not cfg.online and Path(cfg.val_extracted).resolve() == Path(cfg.extracted).resolve()
+    if same_dir or v.manifest.get('dataset_sha256') == _training_sha(cfg, ds):
+        what = f'val_data: {cfg.val_data}, extracted into {cfg.val_extracted},' if cfg.val_data not in (None, 'none') else f'val_extracted: {cfg.val_extracted}'
+        raise ValueError(f'{what} holds the training data (the same dataset, sha256 {_training_sha(cfg, ds)[:12]}): the best drafter would be '
+                         "chosen on what it trains on; give the target's replies to held-out prompts")
+
+def _validation(cfg, out, ds):
     "The validation split as an extraction of the run's taps: `val_extracted` as given (checked), or `val_data` extracted into `out/val` once."
+    if cfg.val_extracted is not None: _not_training_data(cfg, ds)
     if cfg.val_extracted is None and cfg.validates:
         print(f'held-out acceptance: extracting the validation split {cfg.val_data} into {out / "val"}', flush=True)
         extract(target=cfg.target, data=cfg.val_data, out=str(out / 'val'), layer_ids=cfg.layer_ids, max_samples=cfg.val_samples,
                 max_length=cfg.max_length, dtype=cfg.dtype, gpus=torch.cuda.device_count(), progress=cfg.progress)
         cfg.set('val_extracted', str(out / 'val'), f'val_data, extracted into {out / "val"}')
+        _not_training_data(cfg, ds)
     if cfg.val_extracted is not None:
         cfg.val_extracted = str(Path(cfg.val_extracted).resolve())
         check_extraction(ExtractedDataset(cfg.val_extracted, require_complete=True), cfg.target, cfg.layer_ids)
 
+# %% ../nbs/train.ipynb #8b4682ec
+def _check_data(cfg, ds):
+    "Refuse a block longer than every training sample; say when `max_samples` asks for more samples than the data holds."
+    n, src = len(ds), f'data: {cfg.data}' if cfg.online else f'extracted: {cfg.extracted}'
+    if not n: raise ValueError(f'{src} holds no samples: nothing to train on')
+    if cfg.max_samples is not None and cfg.max_samples > n:
+        cfg.warn(f'max_samples={cfg.max_samples}: {src} holds {n} samples: the run trains on all {n}')
+    longest = int(np.max(np.asarray(ds.lengths[:min(n, cfg.max_samples or n)])))
+    if cfg.block_size > longest:
+        raise ValueError(f'block_size={cfg.block_size}: the longest training sample has {longest} tokens, so slots past {longest - 1} never '
+                         f'have a label (and a server would draft {cfg.block_size - 1} tokens a step): choose block_size <= {longest} (16: the recipe)')
+
+def _resumed(cfg, out):
+    "`(checkpoint, its COMPLETE record)` a resume continues from, after checking there is a run to resume; `(None, None)` otherwise."
+    if not cfg.resume: return None, None
+    if not any((out / n).exists() for n in ('run.json', 'metrics.jsonl', 'checkpoints')):
+        raise FileNotFoundError(f'resume: {out} holds no run to resume (no run.json, metrics.jsonl or checkpoints/): check out, or drop resume '
+                                'to start a new run there')
+    check_best(out / 'checkpoints' / 'best')                          # the kept best whole, before any training
+    ck = latest_checkpoint(out)
+    if ck is None: print(f'resume: {out} holds a run but no complete checkpoint yet: it starts again from step 0', flush=True); return None, None
+    try: return ck, json.loads((ck / 'COMPLETE').read_text())
+    except ValueError as e: raise ValueError(f'{ck / "COMPLETE"} does not read ({e}): move {ck} away to resume from the one before') from None
+
+# %% ../nbs/train.ipynb #5a771464
 def prepare_job(cfg):
     """Check everything, then resolve paths and layers, tokenize a ShareGPT file once (online), and set an earlier run
     aside (with `overwrite`); returns the config every rank runs."""
@@ -175,6 +215,8 @@ def prepare_job(cfg):
     if earlier and not cfg.resume and not cfg.overwrite:
         raise ValueError(f'out: {out} holds an earlier run ({", ".join(earlier)}): resume=True continues it, overwrite=True starts over '
                          f'(the earlier run is moved to {out}/previous-*), or choose another out')
+    ck, st = _resumed(cfg, out)
+    if st: adopt_checkpoint(cfg, st.get('config', {}))               # what the user leaves unset is the first run's
     cfg.target = target_name(cfg.target)
     tcfg = load_target_config(cfg.target); L = text_config(tcfg).num_hidden_layers
     if cfg.init_from: resolve_init_from(cfg, tcfg)                   # before any default: unset settings are the checkpoint's
@@ -185,35 +227,31 @@ def prepare_job(cfg):
     if cfg.final_eval or cfg.tau_every:                              # every eval file read before anything trains
         tok = load_tokenizer(cfg.target)
         for f in cfg.eval_data.split(','): f.strip() and load_prompts(tok, f.strip(), cfg.eval_prompts)
-    if cfg.resume and not any((out / n).exists() for n in ('run.json', 'metrics.jsonl', 'checkpoints')):
-        raise FileNotFoundError(f'resume: {out} holds no run to resume (no run.json, metrics.jsonl or checkpoints/): check out, or drop resume '
-                                'to start a new run there')
-    if cfg.resume and latest_checkpoint(out) is None:
-        print(f'resume: {out} holds a run but no complete checkpoint yet: it starts again from step 0', flush=True)
-    if cfg.resume and (ck := latest_checkpoint(out)) is not None:     # refuse changed settings before anything is written
-        st = json.loads((ck / 'COMPLETE').read_text()); old = st.get('config', {})
-        adopt_checkpoint(cfg, old); _resume_changes(ck, st, cfg, None)
+    changed = _resume_changes(ck, st, cfg, None) if st else {}       # refuse changed settings before anything is written
     resolve_layer_types(cfg, tcfg)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.online: cfg.data = str(Path(prepared(cfg.data, cfg.target, out, cfg.max_length)).resolve())
     else: cfg.extracted = str(Path(cfg.extracted).resolve())
-    if not len(TokenizedDataset.load(cfg.data) if cfg.online else ExtractedDataset(cfg.extracted)):
-        raise ValueError(f'{"data: " + cfg.data if cfg.online else "extracted: " + cfg.extracted} holds no samples: nothing to train on')
+    ds = TokenizedDataset.load(cfg.data) if cfg.online else ExtractedDataset(cfg.extracted)
+    _check_data(cfg, ds)
     if earlier and not cfg.resume: print(f'the earlier run in {out} is now in {set_aside(out, RUN_FILES)}')
-    _validation(cfg, out)
+    if 'val_data' in changed and (out / 'val').exists(): print(f'resume: val_data changed; the extraction of the old one is now in {set_aside(out, ["val"])}')
+    _validation(cfg, out, ds)
     resolve_mask_token(cfg)
     if cfg.train_vocab:
         V = text_config(tcfg).vocab_size
         print(f'train_vocab: the {cfg.train_vocab} most frequent labels of the training data cover {frequent_labels(cfg, V)[1]:.2%} of them; the loss '
               f'scores those and each batch\'s own labels, drafting the whole head of {V}', flush=True)
     if cfg.targets == 'auto': auto_split(cfg)
+    cfg.warn_inert()                                                 # now that the run is resolved: what it will never read
     cfg.save(out / 'config.json')
     return cfg
 
+# %% ../nbs/train.ipynb #1acd2ccf
 def _rank_main(config_json):
     "What each launched process runs: its rank of the job in `config_json`, from the launcher's environment. Drafter 0's result is `out/result.json`."
     from torch.distributed.elastic.multiprocessing.errors import record
-    cfg = TrainConfig(**json.loads(Path(config_json).read_text())['config'])
+    cfg = TrainConfig.load(config_json)                              # as prepared, with where each setting came from
     rank, world, local = int(os.environ['RANK']), int(os.environ['WORLD_SIZE']), int(os.environ['LOCAL_RANK'])
     record(run_rank)(cfg, rank, world, local, store_from_env())      # an exception goes to the rank's error file
     sys.stdout.flush(); sys.stderr.flush(); os._exit(0)   # done: skip a teardown that can hang on a dead peer's sockets
@@ -242,10 +280,10 @@ def _torchrun_rank(cfg):
     "Under torchrun: rank 0 prepares the job and shares it through the store; every rank runs its part."
     rank, world, local = int(os.environ['RANK']), int(os.environ['WORLD_SIZE']), int(os.environ['LOCAL_RANK'])
     store = store_from_env()
-    if rank == 0: cfg = prepare_job(cfg); store.set('dflash/job', json.dumps(cfg.to_dict()))
+    if rank == 0: cfg = prepare_job(cfg); store.set('dflash/job', json.dumps(dict(config=cfg.to_dict(), origins=cfg.origins)))
     else:
         store.wait(['dflash/job'], timedelta(hours=2))
-        cfg = TrainConfig(**json.loads(store.get('dflash/job')))
+        cfg = TrainConfig.load(json.loads(store.get('dflash/job')))
     res = run_rank(cfg, rank, world, local, store)
     if res: print(json.dumps({k: v for k, v in res.items() if k != 'tau_by_file'}), flush=True)
     sys.stdout.flush(); os._exit(0)   # skip interpreter teardown (threads, process groups)

@@ -75,10 +75,23 @@ def _load(self, ck):
     except RuntimeError as e: raise ValueError(f'{ck}: its drafter does not fit this config: {str(e).splitlines()[0]}') from None
     if 'feature_scale' in st and self.model.feature_scale is not None:   # the file holds fc folded; training goes on unfolded
         self.model.feature_scale.copy_(st['feature_scale']); self.model.fc.weight.data.copy_(st['fc_weight']); self.scaled = True
-    self.opt.load_state_dict(st['optimizer']); self.sched.load_state_dict(st['scheduler'])
     self.step, self.tokens = st['step'], st['tokens']
+    if 'optimizer' in self.changed:                    # another optimizer's state does not fit: the new one starts fresh
+        print(f"resume: optimizer {self.changed['optimizer'][0]} -> {self.cfg.optimizer}: a fresh {self.cfg.optimizer} optimizer (its "
+              f"moments start at zero), at step {self.step} of the schedule", flush=True)
+    else: self.opt.load_state_dict(st['optimizer']); self.sched.load_state_dict(st['scheduler'])
+    self.set_schedule()
     torch.set_rng_state(st['rng'])
     self.resumed_from = str(ck)
+
+def _set_schedule(self):
+    """The run's own peak lr, schedule and weight decay at `self.step`, set over what a checkpoint restored: the optimizer's state
+    holds the first run's (a resume that changes `lr`, `warmup`, `min_lr_ratio`, `weight_decay`, `epochs` or `max_steps` applies here)."""
+    cfg = self.cfg
+    lr = cfg.lr * lr_factor(self.step, self.plan.total_steps, cfg.warmup, cfg.min_lr_ratio)   # as LambdaLR computes it: the same float
+    for o, s in zip(getattr(self.opt, 'parts', [self.opt]), getattr(self.sched, 'parts', [self.sched])):
+        for g in o.param_groups: g.update(initial_lr=cfg.lr, lr=lr, weight_decay=cfg.weight_decay)
+        s.base_lrs, s.last_epoch, s._last_lr = [cfg.lr] * len(o.param_groups), self.step, [lr] * len(o.param_groups)
 
 def _state(self):
     "What a checkpoint holds besides the drafter: enough to go on exactly."
@@ -99,7 +112,7 @@ def _all_sum(self, x):
     y = x.to(self.device); dist.all_reduce(y, group=self.group)
     return y
 
-Trainer._load, Trainer.state, Trainer.save, Trainer.all_sum = _load, _state, _save, _all_sum
+Trainer._load, Trainer.set_schedule, Trainer.state, Trainer.save, Trainer.all_sum = _load, _set_schedule, _state, _save, _all_sum
 
 # %% ../nbs/trainer.ipynb #1d1c5625
 def _precondition(self, item):

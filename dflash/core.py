@@ -193,8 +193,10 @@ class Job:
 
     @classmethod
     def from_params(cls, ns):
-        "The job from a namespace holding its parameters by name (a notebook's `globals()` after papermill's cell); None: not given."
-        return cls(**{f.name: ns[f.name] for f in fields(cls) if ns.get(f.name) is not None})
+        """The job from a namespace holding its parameters by name (a notebook's `globals()` after papermill's cell). A value of None
+        is not given, unless None means something else than the default (`num_prompts=None`: all)."""
+        means = lambda f: f.default is not None and type(None) in _kinds(f.type)
+        return cls(**{f.name: ns[f.name] for f in fields(cls) if f.name in ns and (ns[f.name] is not None or means(f))})
 
     @classmethod
     def load(cls, path):

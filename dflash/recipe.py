@@ -72,7 +72,8 @@ class TrainConfig(Job):
     max_batch_size: int = param(64, 'samples per batch at most', min=1)
     max_length: int | None = param(None, 'tokens per sample when preparing a file; None: 3072 (recipe), 2048 (demo)', min=2)
     max_samples: int | None = param(None, 'train on the first N samples; None: all', min=1)
-    epochs: float | None = param(None, 'passes over the data; None: 6 (recipe), 2 (demo)', gt=0)
+    epochs: float | None = param(None, 'passes over the data; None: 6 (recipe), 2 (demo)', gt=0,
+                                 needs=(lambda c: c.max_steps is None, 'max_steps None (max_steps overrides epochs)'))
     max_steps: int | None = param(None, 'optimizer steps (overrides epochs)', min=1)
     grad_accum: int = param(1, 'micro-batches per optimizer step', min=1)
     lr: float | None = param(None, 'peak learning rate; None: 6e-4 (recipe), 3e-3 (demo)', gt=0)

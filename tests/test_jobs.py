@@ -25,12 +25,12 @@ def parameters_cell(name):
 
 @pytest.mark.parametrize('name', list(JOBS))
 def test_parameters_cell_states_the_dataclass(name):
-    "Every name in the notebook's parameters cell is a field of the job's dataclass, with the same default."
+    "Every name in the notebook's parameters cell is a field of the job's dataclass, with the same default or None (not given)."
     _, src = parameters_cell(name)
     given = {n.targets[0].id: ast.literal_eval(n.value) for n in ast.parse(src).body if isinstance(n, ast.Assign)}
     defaults = {f.name: f.default for f in fields(JOBS[name])}
     assert given and set(given) <= set(defaults), set(given) - set(defaults)
-    assert {k: v for k, v in given.items() if v != defaults[k]} == {}
+    assert {k: v for k, v in given.items() if v != defaults[k] and v is not None} == {}
 
 
 @pytest.mark.parametrize('name', list(JOBS))

@@ -73,7 +73,7 @@ FREE_KEYS = ('data', 'extracted', 'max_length',     # the data: compared by its 
 NOT_ADOPTED = ('target', 'data', 'extracted', 'out', 'resume', 'resume_changes', 'overwrite', 'device', 'threads', 'nnodes', 'rdzv_endpoint',
                'progress', 'val_extracted')     # the user says these each time (val_extracted: only an extraction the user gave is adopted)
 
-# %% ../nbs/checkpoint.ipynb #8f172618
+# %% ../nbs/checkpoint.ipynb #546ef4ea
 def adopt_checkpoint(cfg, old):
     "On resume: every setting this run leaves unset (not `NOT_ADOPTED`) is the one of the run that wrote the checkpoint (`old`: its config)."
     for k, v in old.items():
@@ -82,7 +82,7 @@ def adopt_checkpoint(cfg, old):
     if old.get('val_data') in (None, 'none') and old.get('val_extracted') and not cfg.given('val_data') and cfg.val_extracted is None:
         cfg.set('val_extracted', old['val_extracted'], "the checkpoint's")
     if 'layer_types' not in old and not cfg.given('layer_types'):   # a run from before layer types had full attention in every layer
-        cfg.set('layer_types', ','.join(['full_attention'] * cfg.num_layers), "the checkpoint's (from before layer types)")
+        cfg.set('layer_types', ','.join(['full_attention'] * cfg.num_layers), "the checkpoint's")
     return cfg
 
 def _val_of(c):
@@ -96,7 +96,7 @@ def _same_target(ck, target):
     saved = json.loads((Path(ck) / 'config.json').read_text()).get('target_config_sha256') if (Path(ck) / 'config.json').exists() else None
     return saved is not None and saved == config_sha256(load_target_config(target))
 
-# %% ../nbs/checkpoint.ipynb #c054e47a
+# %% ../nbs/checkpoint.ipynb #37017b46
 def _resume_changes(ck, st, cfg, data_sha256):
     "What differs between the run that wrote checkpoint `ck` and `cfg`: refused unless `cfg.resume_changes` names it (see above)."
     old, now = st.get('config', {}), cfg.to_dict()

@@ -4,7 +4,7 @@ import json, resource, shutil, signal, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file, save_file
-from dflash.core import TRAIN_DATA, read_metrics, read_jsonl
+from dflash.core import TRAIN_DATA, HELDOUT_DATA, read_metrics, read_jsonl
 from dflash.data import prepare_cli
 from dflash.extract import extract
 from dflash.model import DFlashDraftModel, drafter_config
@@ -26,6 +26,8 @@ def w(tmp_path_factory, make_target, save_target, tok):
     (d / 'rows.jsonl').write_text(''.join(open(TRAIN_DATA).readlines()[:40]))
     assert cli(prepare_cli, '--data', d / 'rows.jsonl', '--target', t, '--out', d / 'data')[0] == 0
     extract(target=str(t), data=str(d / 'data'), out=str(d / 'x'), layer_ids=[1, 3], token_budget=512, progress=False)
+    (d / 'held.jsonl').write_text(''.join(open(HELDOUT_DATA).readlines()[:12]))                 # a validation split of its own
+    extract(target=str(t), data=str(d / 'held.jsonl'), out=str(d / 'val'), layer_ids=[1, 3], token_budget=512, progress=False)
     from transformers import AutoConfig
     save_drafter(DFlashDraftModel(drafter_config(AutoConfig.from_pretrained(t), 1, 16, tok.mask_token_id, [1, 3])), d / 'ck')
     return d
@@ -95,7 +97,7 @@ def test_resume_sets_aside_the_metrics_it_measures_again_and_says_where_it_resum
 def test_resume_sets_aside_a_best_drafter_measured_after_its_checkpoint(w, tmp_path):
     "Held-out evaluations at steps 5 and 6, killed before step 6's checkpoint: the resume from step 4 moves the best aside and measures again."
     args = ['--target', w / 'target', '--extracted', w / 'x', '--out', tmp_path / 'run', *TRAIN, '--max-steps', '6', '--ckpt-every', '2',
-            '--keep', '3', '--val-extracted', w / 'x', '--eval-every', '5']
+            '--keep', '3', '--val-extracted', w / 'val', '--eval-every', '5']
     assert cli(train_cli, *args)[0] == 0
     best = json.loads((tmp_path / 'run/checkpoints/best/BEST.json').read_text())
     assert best['step'] in (5, 6)

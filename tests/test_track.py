@@ -7,7 +7,7 @@ import pytest
 
 # trackio reads TRACKIO_DIR once, at import: a store of the tests' own, never the user's (set before anything imports it)
 os.environ.setdefault('TRACKIO_DIR', tempfile.mkdtemp(prefix='trackio-tests-'))
-from dflash.core import TINY_TARGET, TRAIN_DATA, HELDOUT_DATA, read_metrics
+from dflash.core import TINY_TARGET, TRAIN_DATA, HELDOUT_DATA, HELDOUT_REGEN, read_metrics
 from dflash.track import TRACKERS, Trackers, TrackerError, check_trackers, flat_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,9 +214,11 @@ def test_training_logs_what_metrics_jsonl_has(few, tmp_path):
     from dflash.train import train
     import shutil
     x = extract(target=str(TINY_TARGET), data=str(few), out=str(tmp_path / 'x'), layer_ids=[4], token_budget=512, progress=False)['out']
+    (tmp_path / 'held.jsonl').write_text(''.join(open(HELDOUT_REGEN).readlines()[:6]))
+    v = extract(target=str(TINY_TARGET), data=str(tmp_path / 'held.jsonl'), out=str(tmp_path / 'v'), layer_ids=[4], token_budget=512, progress=False)['out']
     out = tmp_path / 'run'
     kw = dict(extracted=x, out=str(out), drafters=1, num_layers=1, num_anchors=8, token_budget=512, max_steps=6, log_every=2, ckpt_every=2,
-              keep=5, val_extracted=x, eval_every=3, eval_prompts=2, eval_max_new_tokens=16, progress=False, report_to=','.join(ALL))
+              keep=5, val_extracted=v, eval_every=3, eval_prompts=2, eval_max_new_tokens=16, progress=False, report_to=','.join(ALL))
     train(**kw)
     recs = [r for r in read_metrics(out) if 'event' not in r]
     assert {'val_tau', 'tau', 'tau_ngram'} <= {k for r in recs for k in r}

@@ -674,4 +674,5 @@ d = { 'settings': { 'branch': 'main',
                                  'dflash.validate.better': ('validate.html#better', 'dflash/validate.py'),
                                  'dflash.validate.check_best': ('validate.html#check_best', 'dflash/validate.py'),
                                  'dflash.validate.heldout_acceptance': ('validate.html#heldout_acceptance', 'dflash/validate.py'),
+                                 'dflash.validate.resolution': ('validate.html#resolution', 'dflash/validate.py'),
                                  'dflash.validate.walk': ('validate.html#walk', 'dflash/validate.py')}}}

@@ -6,7 +6,7 @@
 __all__ = []
 
 # %% ../nbs/release.ipynb #719d01b6
-import math, time
+import time
 from pathlib import Path
 import torch
 from .core import append_jsonl
@@ -14,6 +14,7 @@ from .taps import target_name
 from .dflash2 import drafter_class
 from .publish import save_drafter, model_card
 from .evaluate import TauProbe, NgramDrafter, tau_table
+from .validate import resolution
 
 # %% ../nbs/release.ipynb #4df1b738
 def _chosen(cfg, trainer, validator, device):
@@ -30,8 +31,7 @@ def _chosen(cfg, trainer, validator, device):
 def _resolution(b, last):
     "The card's word on a pick within the figure's resolution: the last evaluation's figure no further from the best's than their errors."
     if not last or last['step'] == b['step']: return ''
-    se = math.hypot(*(x if x is not None and math.isfinite(x) else 0.0 for x in (b.get('val_tau_se'), last.get('val_tau_se'))))
-    if abs(last['val_tau'] - b['val_tau']) > se: return ''
+    if abs(last['val_tau'] - b['val_tau']) > resolution(b, last): return ''
     return (f" The last evaluation (step {last['step']}: {last['val_tau']:.3f} +- {last['val_tau_se']:.3f}) lies within the resolution of this "
             "figure: the two drafters accept alike on this split, and the lower held-out loss chose between them.")
 

@@ -1,7 +1,7 @@
 """Faults at the edges of resumes and settings (issue 31): what a resume may change takes effect, what is set aside is never
 deleted, the job knows what the user gave, and bad or inert settings are said at the start. Each case asserts the exit status,
 the message, and that nothing earlier was changed or lost."""
-import contextlib, io, json, math, os, shutil, subprocess, sys
+import json, math, os, shutil, subprocess, sys
 from dataclasses import fields
 from pathlib import Path
 import numpy as np, pytest, torch
@@ -18,21 +18,13 @@ from dflash.checkpoint import RESUME_KEYS, SHAPE_KEYS, FIXED_KEYS, latest_checkp
 from dflash.trainer import lr_factor
 from dflash.train import train_cli, prepare_job
 from test_faults import cli, fails, tree, kept
+from test_faults_data import cli as run           # (exit status, stdout, stderr)
 
 BIN = Path(sys.executable).parent
 JOBS = [PrepareConfig, ExtractConfig, TrainConfig, EvalConfig, PlanConfig, RegenerateConfig, GGUFConfig]
 BASE = ['--num-layers', '1', '--num-anchors', '8', '--token-budget', '512', '--lr', '3e-3', '--log-every', '1', '--no-final-eval',
         '--no-progress', '--warmup', '0', '--min-lr-ratio', '0.1', '--weight-decay', '0', '--ckpt-every', '2', '--keep', '5',
         '--layer-types', 'sliding', '--sliding-window', '8', '--loss', 'decay']
-
-
-def run(fn, *args):
-    "`(exit status, stdout, stderr)` of a console script's function run in this process."
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        try: code = fn([str(a) for a in args])
-        except SystemExit as e: code = e.code
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope='module')

@@ -32,6 +32,8 @@ $(STAMP): settings.ini setup.py Makefile
 	rm -rf $(ZLAB_DIR) && $(PY) -m pip download -q --no-deps -d $(ZLAB_DIR)/wheel $(ZLAB)
 	$(PY) -m zipfile -e $(ZLAB_DIR)/wheel/*.whl $(ZLAB_DIR)
 	$(PY) -m ipykernel install --sys-prefix --name dflash --display-name 'Python (dflash)' >/dev/null
+	@# llama.cpp's converter, from the sdist of the xllamacpp release whose server the dev extra installs (cached in $$DFLASH_CACHE)
+	$(PY) -c 'from dflash.engine import converter; print("llama.cpp converter:", converter())'
 	@touch $@
 
 demo: setup

@@ -66,6 +66,9 @@ class TrainConfig(Job):
                       "DFlash drafter); on a hybrid target the published Qwen3.8-27B layout: block 8, every layer sliding, is_causal false",
                       choices=('dflash', 'dflash2'))
     is_causal: bool | None = param(None, "every layer causal inside the block (true) or none (false); None: sliding layers causal, full ones not")
+    servable: bool | None = param(None, "what llama.cpp cannot serve (a tap on the target's last layer, DFlash2's hidden-size bounds), "
+                                  "checked before training: true: refused; None: a warning (not checked for the embedded demo, a target "
+                                  "llama.cpp does not load); false: not checked")
     init_from: str | None = param(None, "a drafter checkpoint (ours or the published layout) to fine-tune; settings left unset come from it")
     num_anchors: int | None = param(None, 'anchors (blocks) per sequence per step; None: 512 (recipe), 16 (demo)', min=1)
     token_budget: int | None = param(None, 'padded tokens per batch (targets and drafters); None: 16384 (recipe), 1024 (demo)', min=1)

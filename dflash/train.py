@@ -21,10 +21,11 @@ from .shards import ExtractedDataset, OfflineSource, check_extraction
 from .extract import extract
 from .publish import mask_token_for
 from .evaluate import TauProbe, load_prompts
+from .engine import serving_problems
 from .dist import Coord, HSSender, OnlineSource, launch, peer_lost, store_from_env
 from .validate import Validator, check_best
 from .metrics import follow, val_line
-from .recipe import (TrainConfig, rank_device, resolve_mask_token, resolve_layer_types, resolve_init_from,
+from .recipe import (TrainConfig, rank_device, resolve_mask_token, resolve_layer_types, resolve_init_from, init_config,
                            make_optimizer, frequent_labels, resolve_arch)
 from .balance import auto_split
 from .checkpoint import latest_checkpoint, adopt_checkpoint, _resume_changes, VAL_KEYS
@@ -207,6 +208,14 @@ def _resumed(cfg, out):
     except ValueError as e: raise ValueError(f'{ck / "COMPLETE"} does not read ({e}): move {ck} away to resume from the one before') from None
 
 # %% ../nbs/train.ipynb #5a771464
+def _servable(cfg, tcfg):
+    "Refuse (`servable`) or warn of what llama.cpp cannot serve of this drafter (`dflash.engine.serving_problems`), before any training."
+    if cfg.servable is False or (cfg.servable is None and cfg.demo): return
+    d2 = init_config(cfg.init_from).dflash_config if cfg.init_from else None
+    for p in serving_problems(tcfg, cfg.layer_ids, cfg.arch, d2):
+        if cfg.servable: raise ValueError(f'{p} (servable=True refuses it; vLLM and SGLang may still serve it)')
+        cfg.warn(f'{p}; the run goes on (vLLM and SGLang may still serve it)')
+
 def prepare_job(cfg):
     """Check everything, then resolve paths and layers, tokenize a ShareGPT file once (online), and set an earlier run
     aside (with `overwrite`); returns the config every rank runs."""
@@ -229,6 +238,7 @@ def prepare_job(cfg):
         for f in cfg.eval_data.split(','): f.strip() and load_prompts(tok, f.strip(), cfg.eval_prompts)
     changed = _resume_changes(ck, st, cfg, None) if st else {}       # refuse changed settings before anything is written
     resolve_layer_types(cfg, tcfg)
+    _servable(cfg, tcfg)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.online: cfg.data = str(Path(prepared(cfg.data, cfg.target, out, cfg.max_length)).resolve())
     else: cfg.extracted = str(Path(cfg.extracted).resolve())

@@ -28,7 +28,8 @@ def fails(fn, *args, msg, code=1):
     "The script exits with `code` (1; 2 for an option that does not parse) and a one-line reason containing `msg`."
     got, err = cli(fn, *args)
     assert got == code and msg in err, err[-2000:]
-    if code == 1: assert err.split(':')[0].startswith('dflash_') and ': error: ' in err.splitlines()[0], err
+    first = next((l for l in err.splitlines() if not l.startswith('warning: ')), '')      # warnings said at the start may come first
+    if code == 1: assert first.split(':')[0].startswith('dflash_') and ': error: ' in first, err
     return err
 
 

@@ -95,3 +95,6 @@ def test_a_drafter_memorizes_one_real_conversation(smol, tmp_path):
     n = len(tok.apply_chat_template(row['messages'], tokenize=True, return_dict=False)) - len(prompt[0])
     r = evaluate(target, load_drafter(tmp_path / 'run/drafter', target), prompt, max_new_tokens=n, strict=True)
     assert r['lossless'] and r['tau'] >= 14, r['tau']
+    from dflash.engine import engine_check                      # and served by llama.cpp: the engine's own counters, its own plain output
+    e = engine_check(smol, tmp_path / 'run/drafter', prompt, max_new_tokens=n, threads=2)
+    assert e['lossless'] and e['tau'] >= 14 and abs(e['tau'] - r['tau']) < 1.5, (e['tau'], r['tau'], e['per_prompt'])

@@ -1,0 +1,67 @@
+"""llama.cpp serving our drafters (the xllamacpp wheel, in process): `dflash_engine` on a small target llama.cpp loads, and drafters
+it cannot serve refused before serving or before training, naming the setting."""
+import json, os, subprocess, sys
+from pathlib import Path
+import pytest, torch
+import transformers as T
+from dflash.core import TRAIN_DATA
+from dflash.gguf import smollm2
+from dflash.model import DFlashDraftModel, drafter_config
+from dflash.publish import save_drafter
+
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, 'HF_HUB_OFFLINE': '1', 'OMP_NUM_THREADS': '1'}
+
+
+@pytest.fixture(scope='module')
+def w(tmp_path_factory):
+    "A random 4-layer Qwen3 target with SmolLM2's tokenizer (a pre-tokenizer llama.cpp knows), a drafter for it, two prompts."
+    d = tmp_path_factory.mktemp('engine')
+    tok = T.AutoTokenizer.from_pretrained(smollm2())
+    torch.manual_seed(0)
+    m = T.Qwen3ForCausalLM(T.Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True,
+                                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
+    m.save_pretrained(d / 'target'); tok.save_pretrained(d / 'target')
+    for name, taps in (('drafter', [1, 2]), ('last', [1, 3])):
+        save_drafter(DFlashDraftModel(drafter_config(m.config, 1, 8, 16, taps)), d / name)
+    (d / 'asks.jsonl').write_text(''.join(json.dumps({'messages': [{'role': 'user', 'content': q}]}) + '\n' for q in ('What is 12 + 30?', 'Name a color.')))
+    return d
+
+
+def engine(*args):
+    return subprocess.run([str(BIN / 'dflash_engine'), *map(str, args)], capture_output=True, text=True, timeout=600, env=ENV)
+
+
+def test_dflash_engine_reports_the_engines_own_figures_beside_ours(w, tmp_path):
+    "From a shell: converted once, served, counted; greedy output with the drafter the engine's own plain output; our loop beside it."
+    r = engine('--drafter', w / 'drafter', '--target', w / 'target', '--eval-data', w / 'asks.jsonl', '--max-new-tokens', 12, '--reps', 2,
+               '--threads', 1, '--out', tmp_path / 'eng')
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / 'eng' / 'engine.json').read_text())['results'][str(w / 'asks.jsonl')]
+    e = res['engine']
+    assert e['lossless'] and e['kind'] == 'dflash' and e['n_max'] == 7 and e['drafts'] > 0 and e['drafted'] <= 7 * e['drafts']
+    assert e['tau'] == 1 + e['accepted'] / e['drafts'] and len(e['per_prompt']) == 2 and e['reps'] == 2 and res['ours']['lossless']
+    assert 'llama-server -m' in e['commands']['server'] and '--spec-type draft-dflash --spec-draft-n-max 7' in e['commands']['server']
+    assert Path(e['target_gguf']).is_file() and 'engine tau' in r.stdout
+
+
+def test_the_engine_refuses_a_drafter_it_cannot_serve(w, tmp_path):
+    "A tap on the target's last layer would abort llama.cpp's process: refused before anything is served, naming the setting."
+    r = engine('--drafter', w / 'last', '--target', w / 'target', '--eval-data', w / 'asks.jsonl', '--out', tmp_path / 'eng')
+    assert r.returncode == 1 and "layer_ids=[1, 3]: llama.cpp reads a tap as the input of the layer after it" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / 'eng' / 'engine.json').exists()
+
+
+def test_training_says_what_llamacpp_cannot_serve_before_it_starts(w, tmp_path):
+    "servable=True refuses a tap on the last layer before any step; left unset, the run warns and goes on."
+    (tmp_path / 'few.jsonl').write_text(''.join(open(TRAIN_DATA).readlines()[:6]))
+    args = ['--target', w / 'target', '--data', tmp_path / 'few.jsonl', '--num-layers', 1, '--layer-ids', '1,3', '--targets', 1, '--max-steps', 1,
+            '--no-final-eval', '--no-progress', '--token-budget', 512, '--num-anchors', 4]
+    r = subprocess.run([str(BIN / 'dflash_train'), *map(str, args), '--out', tmp_path / 'a', '--servable'], capture_output=True, text=True,
+                       timeout=600, env=ENV)
+    assert r.returncode == 1 and 'layer_ids=[1, 3]: llama.cpp reads a tap' in r.stderr and not (tmp_path / 'a' / 'checkpoints').exists(), r.stderr[-2000:]
+    from dflash.train import prepare_job
+    from dflash.recipe import TrainConfig
+    cfg = prepare_job(TrainConfig(target=str(w / 'target'), data=str(tmp_path / 'few.jsonl'), num_layers=1, layer_ids=[1, 3], out=str(tmp_path / 'b')))
+    assert any(x.startswith('layer_ids=[1, 3]: llama.cpp') for x in cfg.warnings)

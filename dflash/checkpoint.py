@@ -69,7 +69,7 @@ FREE_KEYS = ('data', 'extracted', 'max_length',     # the data: compared by its 
              'out', 'targets', 'ranks', 'q_depth', 'log_every', 'eval_every', 'tau_every', 'eval_data', 'eval_prompts', 'eval_max_new_tokens',
              'eval_temperature', 'eval_top_p', 'eval_top_k', 'report_to', 'final_eval', 'verify', 'compile', 'ckpt_every', 'keep', 'resume',
              'resume_changes', 'overwrite', 'device', 'dtype', 'threads', 'nnodes', 'rdzv_endpoint', 'max_restarts', 'pg_timeout_s',
-             'dead_after_s', 'progress', 'servable')
+             'dead_after_s', 'progress', 'servable', 'engine_eval')
 NOT_ADOPTED = ('target', 'data', 'extracted', 'out', 'resume', 'resume_changes', 'overwrite', 'device', 'threads', 'nnodes', 'rdzv_endpoint',
                'progress', 'val_extracted')     # the user says these each time (val_extracted: only an extraction the user gave is adopted)
 

@@ -119,6 +119,8 @@ class TrainConfig(Job):
     eval_top_k: int = param(0, 'top_k of the sampled lossless loop (0: all)', min=0, needs=(lambda c: c.eval_temperature > 0, 'eval_temperature > 0'))
     report_to: str = report_to_param()
     final_eval: bool = param(True, 'measure tau (and the n-gram baseline) at the end')
+    engine_eval: bool | None = param(None, "at the end, also serve the published drafter with llama.cpp (xllamacpp) on the same prompts: the "
+                                     "engine's own tau and speed; None: where xllamacpp is installed and the target has at most ~4B parameters")
     verify: bool = param(True, "offline: check each shard's sha256 once, before its data is used")
     compile: bool = param(False, 'torch.compile the drafter (dynamic shapes); off: it did not pay on CPU, `make gpu-check` measures it on a GPU')
     ckpt_every: int = param(100, 'steps between checkpoints (0: only at the end)', min=0)

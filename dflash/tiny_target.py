@@ -43,11 +43,15 @@ def corpus_texts(split='train'):
 
 # %% ../nbs/tiny_target.ipynb #21d4f08d
 def target_config(tok, hidden=256, layers=8, **kw):
-    "A `Qwen3_5TextConfig` at toy size for tokenizer `tok`."
+    "A `Qwen3_5TextConfig` at toy size for tokenizer `tok`, within llama.cpp's limits (see above)."
+    head = hidden // 4
+    half = int(head * 0.25) // 2                                    # rotary pairs: partial_rotary_factor 0.25 of the head
     return Qwen3_5TextConfig(
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, linear_num_key_heads=4,
-        linear_num_value_heads=4, linear_key_head_dim=hidden // 8, linear_value_head_dim=hidden // 4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head, linear_num_key_heads=4,
+        linear_num_value_heads=4, linear_key_head_dim=hidden // 4, linear_value_head_dim=hidden // 4,
+        rope_parameters=dict(rope_type='default', rope_theta=10000.0, partial_rotary_factor=0.25, mrope_interleaved=True,
+                             mrope_section=[half - 2 * (half // 3), half // 3, half // 3]),
         max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw)
 

@@ -65,3 +65,20 @@ def test_training_says_what_llamacpp_cannot_serve_before_it_starts(w, tmp_path):
     from dflash.recipe import TrainConfig
     cfg = prepare_job(TrainConfig(target=str(w / 'target'), data=str(tmp_path / 'few.jsonl'), num_layers=1, layer_ids=[1, 3], out=str(tmp_path / 'b')))
     assert any(x.startswith('layer_ids=[1, 3]: llama.cpp') for x in cfg.warnings)
+
+
+def test_training_ends_with_the_engines_figures(w, tmp_path):
+    "A run on a target llama.cpp serves (xllamacpp installed, a small target): the published drafter is served at the end, its figures in result.json, metrics.jsonl and the card."
+    from dflash.extract import extract
+    from dflash.core import read_metrics
+    (tmp_path / 'few.jsonl').write_text(''.join(open(TRAIN_DATA).readlines()[:8]))
+    x = extract(target=str(w / 'target'), data=str(tmp_path / 'few.jsonl'), out=str(tmp_path / 'x'), layer_ids=[1, 2], token_budget=512, progress=False)
+    r = subprocess.run([str(BIN / 'dflash_train'), '--target', str(w / 'target'), '--extracted', x['out'], '--out', str(tmp_path / 'run'), '--num-layers', '1',
+                        '--block-size', '8', '--max-steps', '2', '--num-anchors', '4', '--token-budget', '512', '--eval-data', str(w / 'asks.jsonl'),
+                        '--eval-prompts', '2', '--eval-max-new-tokens', '8', '--no-progress'], capture_output=True, text=True, timeout=600, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / 'run' / 'result.json').read_text())
+    assert res['engine_lossless'] and res['engine_tau'] >= 1 and 'engine_error' not in res
+    assert [m for m in read_metrics(tmp_path / 'run') if 'engine_tau' in m][0]['engine_tau'] == res['engine_tau']
+    card = (tmp_path / 'run' / 'drafter' / 'README.md').read_text()
+    assert '| the same drafter served by llama.cpp (its counters) |' in card and 'Served by llama.cpp (the xllamacpp' in card and 'llama-server -m' in card

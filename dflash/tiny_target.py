@@ -107,6 +107,7 @@ def save_target(model, tok, out):
     "Save with bf16 weights (half the bytes in git) and an fp32 config; returns the model reloaded from `out`."
     from safetensors.torch import save_file
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]          # what a converter (llama.cpp's) reads the architecture from
     model.config.save_pretrained(out); model.generation_config.save_pretrained(out); tok.save_pretrained(out)
     sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
           if not (model.config.tie_word_embeddings and k == 'lm_head.weight')}

@@ -44,6 +44,10 @@ def test_the_walk_is_the_lossless_loops_tau(memorized):
     assert e['lossless'] and e['tau'] > 3, e['tau']
     assert abs(h['val_tau_walk'] - e['tau']) < 1e-9, (h['val_tau_walk'], e['tau'])
     assert abs(h['val_tau'] - e['tau']) < 0.25 * e['tau']                  # every position: close, not the same figure
+    # the third reading: the same drafter served by llama.cpp (its own counters), the target converted to f16
+    from dflash.engine import engine_check
+    g = engine_check(TINY_TARGET, d / 'run/checkpoints/step-120', [prompts[i] for i in same], 64, threads=1)
+    assert g['lossless'] and g['identical'] >= len(same) - 1 and abs(g['tau'] - e['tau']) < 0.1 * e['tau'], (g['tau'], e['tau'], g['per_prompt'])
 
 
 def test_a_run_publishes_its_best_drafter(memorized):

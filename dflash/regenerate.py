@@ -19,7 +19,6 @@ from .taps import load_target, load_tokenizer, load_target_config, target_name, 
 from .data import DataError, check, load_conversations
 from .track import Trackers, check_trackers, report_to_param
 
-
 # %% ../nbs/regenerate.ipynb #9c6bd9b7
 def done_rows(path):
     "The whole rows of the JSONL `path` and the byte where they end; a half-written last line (an interrupted run) is not one."

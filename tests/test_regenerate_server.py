@@ -52,7 +52,7 @@ def test_kill_mid_run_then_resume_on_a_restarted_server(convs, tmp_path):
     "Killed mid-run: exit 1 naming the server, whole lines kept; the same command resumes; replies equal the in-process ones."
     src, ref = convs
     out = tmp_path / 'served.jsonl'
-    srv = LocalServer(TINY_TARGET, env=ENV)
+    srv = LocalServer(TINY_TARGET, '--dtype', 'float32', env=ENV)
     cmd = ['--server', srv.url, '--data', src, '--out', out, '--max-new-tokens', MAX_NEW, '--in-flight', 3, '--retries', 1]
     try:
         p = start(*cmd)
@@ -62,7 +62,7 @@ def test_kill_mid_run_then_resume_on_a_restarted_server(convs, tmp_path):
         assert p.returncode == 1 and f'no server left: {srv.url}' in se and 'the same command does the other' in se, (so[-2000:], se[-2000:])
         kept = rows(out)   # every line whole (json.loads would fail on a half-written one)
         assert 3 <= len(kept) < N and len({r['id'] for r in kept}) == len(kept)
-        srv = LocalServer(TINY_TARGET, port=srv.port, env=ENV)   # back on the same address
+        srv = LocalServer(TINY_TARGET, '--dtype', 'float32', port=srv.port, env=ENV)   # back on the same address
         p = start(*cmd); so, se = p.communicate(timeout=300)
         assert p.returncode == 0, se[-3000:]
         assert f'{len(kept)} already in {out}, {N - len(kept)} to do' in so and 'replies ended by the target' in so
@@ -95,7 +95,7 @@ def test_a_dead_servers_work_goes_to_the_other(convs, tmp_path):
     "Two servers, one killed mid-run: it is reported by address, the other finishes; every conversation once, as in process."
     src, ref = convs
     out = tmp_path / 'served.jsonl'
-    a, b = LocalServer(TINY_TARGET, env=ENV), LocalServer(TINY_TARGET, env=ENV)
+    a, b = LocalServer(TINY_TARGET, '--dtype', 'float32', env=ENV), LocalServer(TINY_TARGET, '--dtype', 'float32', env=ENV)
     try:
         p = start('--server', f'{a.url},{b.url}', '--data', src, '--out', out, '--max-new-tokens', MAX_NEW, '--in-flight', 2, '--retries', 1)
         wait_lines(out, 2, p)

@@ -103,7 +103,7 @@ def _served(cfg, trainer, probe, path, res):
     tau, lossless = sum(r['tau'] for r in rows.values()) / len(rows), all(r['lossless'] for r in rows.values())
     speed = float(np.median([r['speedup'] for r in rows.values()]))
     res.update(engine_tau=tau, engine_lossless=lossless, engine_speedup=speed, engine_tau_by_file={f: r['tau'] for f, r in rows.items()})
-    rec = dict(step=res.get('best_step', trainer.step), engine_tau=tau, engine_lossless=lossless, engine_speedup=speed, final=True, time=time.time())
+    rec = dict(step=res.get('best_step', trainer.step), engine_tau=tau, engine_lossless=lossless, engine_speedup=speed, time=time.time())
     append_jsonl(Path(cfg.out) / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
     print(f'llama.cpp: tau {tau:.2f} (its own counters), lossless {lossless}, speed-up {speed:.2f}x on this machine', flush=True)
     r0 = next(iter(rows.values()))

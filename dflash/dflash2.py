@@ -186,3 +186,31 @@ def drafter_class(config):
     "The drafter class of a `DFlashConfig` (or a checkpoint directory): `DFlash2DraftModel` or `DFlashDraftModel`, by its architectures."
     if not isinstance(config, DFlashConfig): config = DFlashConfig.from_pretrained(config)
     return DFlash2DraftModel if 'DFlash2DraftModel' in (config.architectures or []) else DFlashDraftModel
+
+# %% ../nbs/dflash2.ipynb #b685f7ee
+@torch.no_grad()
+def _propose_sampled(self, context_hidden, last_token, start_pos=None, cache=None, k=None, warp=None, generator=None):
+    """The selector's walk drawn at `warp`'s temperature (`propose`), its first `k` slots (None: all), and their q (softmax(scores / T)
+    over each slot's candidates) scattered over the vocabulary: `(tokens [b, k], q [b, k, V])`."""
+    path, cand, q = self.propose(context_hidden, last_token, start_pos, cache, warp.temperature, generator)
+    k = path.shape[1] if k is None else k
+    return path[:, :k], q.new_zeros(q.shape[0], k, self._io()[1].weight.shape[0]).scatter_(2, cand[:, :k], q[:, :k])
+
+@torch.no_grad()
+def _tree_children(self, context_hidden, last_token, start_pos=None, cache=None, budget=16, warp=None):
+    """The children of any node of a draft tree under the selector, for `grow_tree`: `(expand, slots)`, `expand(path)` giving the next
+    slot's candidates scored after the path's last token (the anchor's for the root), softmax(scores / T) (T: `warp`'s, else 1), best
+    first. All `selector_top_k` candidates are children: `budget` cuts nothing here. One block (b = 1)."""
+    last_token = torch.as_tensor(last_token, device=self.fc.weight.device).reshape(-1)
+    h = self.draft_states(context_hidden, last_token, start_pos, cache)
+    if h.shape[0] != 1: raise ValueError(f'a draft tree grows from one block: got a batch of {h.shape[0]}')
+    unary, cand = self.logits(h).topk(self.candidate_selector.top_k, -1)
+    T = 1.0 if warp is None else warp.temperature
+    def expand(path):
+        d, pred = len(path), torch.as_tensor([path[-1]], device=h.device) if path else last_token
+        s = self.candidate_selector.scores(h[:, d], unary[:, d], cand[:, d], pred)[0]
+        lp, order = (s.float() / T).log_softmax(-1).sort(descending=True, stable=True)
+        return cand[0, d][order], lp
+    return expand, h.shape[1]
+
+DFlash2DraftModel.propose_sampled, DFlash2DraftModel.tree_children = _propose_sampled, _tree_children

@@ -4,12 +4,14 @@
 
 # %% auto #0
 __all__ = ['load_prompts', 'eos_ids', 'greedy_decode', 'sample_decode', 'ngram_propose', 'NgramDrafter', 'DFlashDrafter',
-           'finite_weights', 'load_drafter', 'spec_decode', 'greedy_reference', 'evaluate_many', 'evaluate',
-           'step_costs', 'plot_results', 'TauProbe', 'EvalConfig', 'tau_table', 'evaluate_job', 'evaluate_cli']
+           'finite_weights', 'load_drafter', 'spec_decode', 'Verified', 'verify_tree', 'greedy_reference',
+           'evaluate_many', 'evaluate', 'step_costs', 'tree_verify_cost', 'plot_results', 'TauProbe', 'EvalConfig',
+           'tau_table', 'evaluate_job', 'evaluate_cli']
 
 # %% ../nbs/evaluate.ipynb #f0d0c76d
 import time, warnings
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 import torch
@@ -19,10 +21,11 @@ from .core import TINY_TARGET, HELDOUT_DATA, RUNS, Job, param, target_param, out
 from .taps import tap_layers, tapped, load_target, load_target_config, load_tokenizer, target_name
 from .data import BadRow, DataError, load_conversations, prompt_of
 from .model import DFlashDraftModel
-from .dflash2 import DFlash2DraftModel, drafter_class
+from .dflash2 import drafter_class
 from .publish import check_drafter
-from .cache import _ids, croppable, crop, snapshot, recurrent_mixers, rollback
+from .cache import _ids, croppable, crop, snapshot, restore, recurrent_mixers, rollback
 from .sampling import sampling_probs, Sampling, _draw, speculative_sample
+from .tree import Tree, build_tree, grow_tree, tree_inputs, follow, leaf_paths, tree_sample
 
 # %% ../nbs/evaluate.ipynb #f8aaecc3
 def load_prompts(tok, path=HELDOUT_DATA, n=8):
@@ -84,7 +87,8 @@ class NgramDrafter:
 
 # %% ../nbs/evaluate.ipynb #8f1eadc1
 class DFlashDrafter:
-    "Wraps a `DFlashDraftModel` or `DFlash2DraftModel` (with its target attached) for the verify loop, greedy or sampled."
+    """Wraps a DFlash drafter (`DFlashDraftModel`, `DFlash2DraftModel`: a model with `propose`, `propose_sampled`, `tree_children`), its
+    target attached, for the verify loop: greedy, sampled, or a tree."""
     def __init__(self, model):
         self.model, self.layer_ids, self.block_size = model, model.target_layer_ids, model.block_size
     def reset(self): self.cache = self.model.new_cache()
@@ -92,21 +96,19 @@ class DFlashDrafter:
         dev = self.model.fc.weight.device
         return taps.to(dev), torch.tensor([tokens[-1]], device=dev), len(tokens) - 1, self.cache
 
-    def propose(self, tokens, taps, k):
-        if isinstance(self.model, DFlash2DraftModel): return self.model.propose(*self._inputs(tokens, taps))[0][0, :k].tolist()
-        logits = self.model.draft(*self._inputs(tokens, taps))
-        return logits[0, :k].argmax(-1).tolist()
+    def propose(self, tokens, taps, k): return self.model.propose(*self._inputs(tokens, taps))[0][0, :k].tolist()
 
     def propose_sampled(self, tokens, taps, k, warp, generator=None):
         """`(k tokens, their probabilities q [k, V])`, drawn as the reference draws them: DFlash from the target's `warp` of its logits,
         DFlash2 along the selector's walk from softmax(scores / T)."""
         if k == 0: return [], None
-        if isinstance(self.model, DFlash2DraftModel):
-            path, cand, q = self.model.propose(*self._inputs(tokens, taps), temperature=warp.temperature, generator=generator)
-            V = self.model._io()[1].weight.shape[0]
-            return path[0, :k].tolist(), q.new_zeros(k, V).scatter_(1, cand[0, :k], q[0, :k])
-        q = warp(self.model.draft(*self._inputs(tokens, taps))[0, :k])
-        return torch.multinomial(q, 1, generator=generator)[:, 0].tolist(), q
+        toks, q = self.model.propose_sampled(*self._inputs(tokens, taps), k, warp, generator)
+        return toks[0].tolist(), q[0]
+
+    def propose_tree(self, tokens, taps, budget, depth, warp=None):
+        "The drafter's most probable continuations, a `Tree` of `budget` nodes at most `depth` deep (`warp`: the target's sampler at T > 0)."
+        expand, slots = self.model.tree_children(*self._inputs(tokens, taps), budget, warp)
+        return grow_tree(expand, budget, min(depth, slots))
 
 def finite_weights(path):
     "Refuse the drafter saved in `path` if a tensor holds NaN or inf, naming them: it would draft nothing and still look lossless."
@@ -127,40 +129,130 @@ def _proposal(drafter, tokens, taps, k, warp, generator):
     if warp is not None and hasattr(drafter, 'propose_sampled'): return drafter.propose_sampled(tokens, taps, k, warp, generator)
     return list(drafter.propose(tokens, taps, k))[:k], None
 
+def _chain_step(target, drafter, cache, tokens, taps, k, warp, generator, rule, hs, read_taps):
+    """One chain step: draft up to `k` tokens, verify them in one forward, roll the cache back past the rejected ones. Returns (the
+    accepted drafted tokens, the target's own next token, how many were drafted, the taps of the committed block positions)."""
+    draft, q = _proposal(drafter, tokens, taps, k, warp, generator)
+    snap = snapshot(cache) if draft and not croppable(cache) else cache.get_seq_length()
+    block = [tokens[-1]] + draft
+    o = target(_ids(block, target.device), cache=cache, use_cache=True, output_hidden_states=hs)
+    if warp: acc, nxt = rule(draft, q, warp(o.logits[0]), generator)
+    else:
+        greedy = o.logits[0].argmax(-1).tolist()
+        acc = 0
+        while acc < len(draft) and draft[acc] == greedy[acc]: acc += 1
+        nxt = greedy[acc]
+    new_taps = read_taps()[:, :acc + 1] if read_taps else None      # before a rollback may run the target again
+    if acc < len(draft): rollback(target, cache, snap, block[:acc + 1], o.hidden_states)
+    return draft[:acc], nxt, len(draft), new_taps
+
 @torch.no_grad()
 def spec_decode(target, drafter, prompt, max_new_tokens=64, eos_token_id=None, block_size=16, temperature=0.0, top_p=1.0, top_k=0,
-                generator=None, rule=None):
+                generator=None, rule=None, tree_budget=0):
     """Speculative decoding of `prompt`, greedy (`temperature` 0) or sampled from the target's warp (`temperature`, `top_p`, `top_k`;
-    draws from `generator`, on the target's device): returns the new tokens and, per verify step, `(accepted, drafted)`. `rule`: the
-    acceptance rule at T > 0, `speculative_sample`."""
+    draws from `generator`, on the target's device): returns the new tokens and, per verify step, `(accepted, drafted)`. `tree_budget`
+    N > 0: each step verifies the drafter's tree of N nodes instead of a chain (drafted: its nodes). `rule`: the acceptance rule at
+    T > 0, `speculative_sample` (chains) or `tree_sample` (trees)."""
     eos, dev, layer_ids = eos_ids(eos_token_id), target.device, drafter.layer_ids
-    warp, rule = Sampling(temperature, top_p, top_k) if temperature > 0 else None, rule or speculative_sample
+    warp = Sampling(temperature, top_p, top_k) if temperature > 0 else None
+    step, rule = (partial(_tree_step, budget=tree_budget), rule or tree_sample) if tree_budget else (_chain_step, rule or speculative_sample)
     cache = DynamicCache(config=target.config)
     with (tap_layers(target, layer_ids, stop=False) if layer_ids is not None else nullcontext({})) as hooked:
         o = target(_ids(prompt, dev), cache=cache, use_cache=True, logits_to_keep=1)
-        P, taps = len(prompt), tapped(hooked, layer_ids) if layer_ids is not None else None
-        hs = bool(recurrent_mixers(target, cache))                    # the layers' inputs make a rollback cheap
+        P, read = len(prompt), (lambda: tapped(hooked, layer_ids)) if layer_ids is not None else None
+        taps, hs = read() if read else None, bool(recurrent_mixers(target, cache))     # the layers' inputs make a rollback cheap
         first = _draw(warp(o.logits[0, -1]), generator) if warp else int(o.logits[0, -1].argmax())
         tokens, steps = list(prompt) + [first], []
         drafter.reset()
         while len(tokens) - P < max_new_tokens and tokens[-1] not in eos:
             k = min(block_size - 1, max_new_tokens - (len(tokens) - P) - 1)
-            draft, q = _proposal(drafter, tokens, taps, k, warp, generator)
-            snap = snapshot(cache) if draft and not croppable(cache) else cache.get_seq_length()
-            block = [tokens[-1]] + draft
-            o = target(_ids(block, dev), cache=cache, use_cache=True, output_hidden_states=hs)
-            if warp: acc, nxt = rule(draft, q, warp(o.logits[0]), generator)
-            else:
-                greedy = o.logits[0].argmax(-1).tolist()
-                acc = 0
-                while acc < len(draft) and draft[acc] == greedy[acc]: acc += 1
-                nxt = greedy[acc]
-            if layer_ids is not None: taps = tapped(hooked, layer_ids)[:, :acc + 1]
-            new = draft[:acc] + [nxt]
+            accepted, nxt, drafted, taps = step(target, drafter, cache, tokens, taps, k, warp, generator, rule, hs, read)
+            new = accepted + [nxt]
             if any(t in eos for t in new): new = new[:next(i for i, t in enumerate(new) if t in eos) + 1]
-            tokens += new; steps.append((len(new) - 1, len(draft)))   # drafts accepted past an EOS commit nothing
-            if acc < len(draft): rollback(target, cache, snap, block[:acc + 1], o.hidden_states)
+            tokens += new; steps.append((len(new) - 1, drafted))   # drafts accepted past an EOS commit nothing
     return tokens[P:], steps
+
+# %% ../nbs/evaluate.ipynb #75cf3027
+@dataclass
+class Verified:
+    """The target's forward over a draft tree (`verify_tree`): its output `out`, and where each flattened node sits in it (`rows`,
+    `cols` [N+1]: batch row and sequence column). `snap`: None after a flattened forward, else the cache's state before it."""
+    out: object
+    rows: torch.Tensor
+    cols: torch.Tensor
+    tokens: list                  # [N+1] the root's token, then the nodes'
+    start: int                    # the root's position
+    snap: object = None
+    widths: list = None           # each row's length before padding
+
+    @property
+    def logits(self):
+        "The target's logits after every flattened node: [N+1, V]."
+        x = self.out.logits
+        return x[self.rows.to(x.device), self.cols.to(x.device)]
+
+    def along(self, x, path):
+        "The rows of `x` [b, W, ...] (an output of the same forward, e.g. a tap) at `path` (flattened, root first, in order): [len(path), ...]."
+        return x[int(self.rows[path[-1]]), self.cols[path].to(x.device)]   # a row holding the deepest node holds its whole path
+
+    def commit(self, target, cache, accepted):
+        """Leave `cache` holding the positions before the root, the root and the `accepted` nodes (flattened, from the root down), as if
+        only their tokens had been fed: flattened, move their keys and values down behind the root's and crop; rows, keep the row
+        holding the path and `rollback` to the snapshot plus the path's tokens (not needed when the path is the whole unpadded row)."""
+        keep = [0] + list(accepted)
+        if self.snap is None:
+            src = torch.tensor(keep, device=target.device) + self.start
+            for layer in cache.layers:
+                for x in (layer.keys, layer.values): x[..., self.start:self.start + len(keep), :] = x[..., src, :]
+            return crop(cache, self.start + len(keep))
+        r = int(self.rows[keep[-1]])
+        cache.reorder_cache(torch.tensor([r], device=target.device))
+        if len(keep) == self.widths[r] == self.out.logits.shape[1]: return cache
+        hs = self.out.hidden_states
+        return rollback(target, cache, self.snap, [self.tokens[i] for i in keep], hs and tuple(h[r:r + 1] for h in hs))
+
+# %% ../nbs/evaluate.ipynb #8357ddb6
+@torch.no_grad()
+def verify_tree(target, cache, tree, root, hidden_states=False):
+    """One target forward over `tree` under `root`, the token after the `start` positions `cache` holds; returns a `Verified`. A cache
+    that `crop` rolls back (attention layers only) reads the flattened tree under `tree_inputs`' mask; any other (recurrent or sliding
+    layers) reads each root-to-leaf path as a row of a batch, each row from a copy of the cache. `hidden_states`: also return every
+    layer's input (`rollback` replays the recurrent layers from them)."""
+    start, dev, n = cache.get_seq_length(), target.device, len(tree) + 1
+    tokens, kw = [int(root)] + [int(t) for t in tree.tokens], dict(cache=cache, use_cache=True, output_hidden_states=hidden_states)
+    if croppable(cache):
+        ids, pos, mask = tree_inputs(tree, root, start, dev)
+        seen = torch.cat([mask.new_ones(n, start), mask], 1)
+        am = torch.zeros(seen.shape, dtype=target.dtype, device=dev).masked_fill_(~seen, torch.finfo(target.dtype).min)
+        out = target(ids[None], position_ids=pos[None], attention_mask=am[None, None], **kw)
+        return Verified(out, torch.zeros(n, dtype=torch.long), torch.arange(n), tokens, start)
+    paths = leaf_paths(tree)
+    W, rows, cols = max(map(len, paths)), torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+    for r, p in reversed(list(enumerate(paths))):           # each node: the first row that holds it
+        rows[p], cols[p] = r, torch.arange(len(p))
+    ids = torch.tensor([[tokens[i] for i in p] + [tokens[0]] * (W - len(p)) for p in paths], device=dev)
+    snap = snapshot(cache)
+    cache.reorder_cache(torch.zeros(len(paths), dtype=torch.long, device=dev))   # every row starts from the committed state
+    return Verified(target(ids, **kw), rows, cols, tokens, start, snap, list(map(len, paths)))
+
+# %% ../nbs/evaluate.ipynb #55f3e538
+def _tree_proposal(drafter, tokens, taps, budget, depth, warp):
+    "The drafter's tree (`propose_tree`); a drafter without one proposes its chain (up to `budget` tokens), a tree of one path."
+    if hasattr(drafter, 'propose_tree'): return drafter.propose_tree(tokens, taps, budget, depth, warp)
+    d = [int(t) for t in drafter.propose(tokens, taps, min(depth, budget))][:min(depth, budget)]
+    return Tree(tokens=d, parents=list(range(len(d))), depths=list(range(1, len(d) + 1)), logprobs=[0.0] * len(d))
+
+def _tree_step(target, drafter, cache, tokens, taps, k, warp, generator, rule, hs, read_taps, budget):
+    """One DDTree step: the drafter's tree of `budget` nodes at most `k` deep, one verify forward, the walk (argmax at T = 0, else `rule`),
+    and the cache keeps the accepted path. Returns what `_chain_step` does, with drafted = the tree's nodes."""
+    tree = _tree_proposal(drafter, tokens, taps, budget, k, warp)
+    v = verify_tree(target, cache, tree, tokens[-1], hs)
+    logits = v.logits
+    if warp: accepted, nxt = rule(tree, lambda i: warp(logits[i]), generator)
+    else: accepted, nxt = follow(tree, logits.argmax(-1).tolist().__getitem__)
+    new_taps = v.along(read_taps(), [0] + accepted)[None] if read_taps else None
+    v.commit(target, cache, accepted)
+    return [tree.tokens[j - 1] for j in accepted], nxt, len(tree), new_taps
 
 # %% ../nbs/evaluate.ipynb #45a307fe
 def _clock(dev):
@@ -196,13 +288,13 @@ def _eval_mode(*models):
 def _first_mismatch(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
-def _summary(per, steps, reference, B, sampling):
+def _summary(per, steps, reference, B, sampling, tree_budget=0):
     n = max(len(steps), 1)
     t_spec, t_base, new = sum(r['time_s'] for r in per), sum(reference['time_s']), sum(r['new_tokens'] for r in per)
     return dict(tau=sum(a + 1 for a, _ in steps) / n, accept_hist=[sum(a >= k for a, _ in steps) / n for k in range(1, B)],
                 drafted_per_step=sum(d for _, d in steps) / n, steps=len(steps), new_tokens=new,
                 tokens_per_s=new / t_spec, baseline_tokens_per_s=sum(map(len, reference['outputs'])) / t_base,
-                speedup=t_base / t_spec, lossless=None if sampling else all(r['lossless'] for r in per), block_size=B,
+                speedup=t_base / t_spec, lossless=None if sampling else all(r['lossless'] for r in per), block_size=B, tree_budget=tree_budget,
                 **(vars(sampling) if sampling else dict(temperature=0.0)), per_prompt=per)
 
 def _check(got, want, i, strict):
@@ -215,10 +307,12 @@ def _check(got, want, i, strict):
     return mm
 
 def evaluate_many(target, drafters, prompts, max_new_tokens=64, block_size=None, eos_token_id=None, reference=None,
-                  warmup=True, strict=False, progress=False, temperature=0.0, top_p=1.0, top_k=0, seed=0):
+                  warmup=True, strict=False, progress=False, temperature=0.0, top_p=1.0, top_k=0, seed=0, tree_budget=0):
     """`evaluate` for a dict of drafters, prompt by prompt: the target alone (unless `reference` is given), then each
-    drafter, so that a machine whose load drifts during the run times them all alike. Returns a result per name."""
+    drafter, so that a machine whose load drifts during the run times them all alike. Returns a result per name. `tree_budget`:
+    one for every drafter, or a dict {name: N} (missing names: 0, chains)."""
     ds, eos = {k: _as_drafter(d) for k, d in drafters.items()}, _eos(target, eos_token_id)
+    Ns = {k: int(tree_budget.get(k, 0) if isinstance(tree_budget, dict) else tree_budget) for k in ds}
     Bs = {k: block_size or getattr(d, 'block_size', 16) for k, d in ds.items()}
     sampling = Sampling(temperature, top_p, top_k) if temperature > 0 else None
     gen = lambda i: torch.Generator(device=target.device).manual_seed(seed * 1_000_003 + i)   # prompt i's draws: the same for every drafter
@@ -232,7 +326,7 @@ def evaluate_many(target, drafters, prompts, max_new_tokens=64, block_size=None,
     with _eval_mode(target, *drafters.values()):
         if warmup and prompts:
             greedy_decode(target, prompts[0], 4, eos)
-            for k, d in ds.items(): spec_decode(target, d, prompts[0], 4, eos, Bs[k])
+            for k, d in ds.items(): spec_decode(target, d, prompts[0], 4, eos, Bs[k], tree_budget=Ns[k])
         for i, p in enumerate(tqdm(prompts, desc='evaluate', disable=not progress)):
             if reference is None:                       # at T > 0, the target's own sampling: the baseline's time
                 t0 = _clock(target.device)
@@ -241,25 +335,35 @@ def evaluate_many(target, drafters, prompts, max_new_tokens=64, block_size=None,
                 ref['time_s'].append(_clock(target.device) - t0)
             for k, d in ds.items():
                 t0 = _clock(target.device)
-                got, st = spec_decode(target, d, p, max_new_tokens, eos, Bs[k], temperature, top_p, top_k, gen(i) if sampling else None)
+                got, st = spec_decode(target, d, p, max_new_tokens, eos, Bs[k], temperature, top_p, top_k, gen(i) if sampling else None,
+                                      tree_budget=Ns[k])
                 t = _clock(target.device) - t0
                 mm = None if sampling else _check(got, ref['outputs'][i], i, strict)
                 steps[k] += st
                 per[k].append(dict(prompt=i, new_tokens=len(got), steps=len(st), tau=sum(a + 1 for a, _ in st) / max(len(st), 1),
                                    time_s=t, baseline_time_s=ref['time_s'][i], lossless=None if sampling else mm is None,
                                    first_mismatch=mm))
-    return {k: _summary(per[k], steps[k], ref, Bs[k], sampling) for k in ds}
+    return {k: _summary(per[k], steps[k], ref, Bs[k], sampling, Ns[k]) for k in ds}
 
 def evaluate(target, drafter, prompts, max_new_tokens=64, block_size=None, eos_token_id=None, reference=None,
-             warmup=True, strict=False, progress=False, temperature=0.0, top_p=1.0, top_k=0, seed=0):
+             warmup=True, strict=False, progress=False, temperature=0.0, top_p=1.0, top_k=0, seed=0, tree_budget=0):
     """Speculative decoding of `prompts` (lists of token ids) with `drafter` (a `DFlashDraftModel` or `DFlash2DraftModel`, 'ngram', or
     an object with `layer_ids`, `reset()`, `propose(tokens, taps, k)`): tau, acceptance per slot, tokens/s, and a lossless check.
     At `temperature` > 0 (with `top_p`, `top_k`) it samples, prompt i's draws seeded from `seed` and i; `lossless` is then None
-    (sampled outputs are checked in distribution, by the tests), and `reference` only times the baseline."""
+    (sampled outputs are checked in distribution, by the tests), and `reference` only times the baseline. `tree_budget` N > 0
+    verifies the drafter's DDTree of N nodes per step instead of its chain (`drafted_per_step`: nodes)."""
     return evaluate_many(target, {'drafter': drafter}, prompts, max_new_tokens, block_size, eos_token_id, reference,
-                         warmup, strict, progress, temperature, top_p, top_k, seed)['drafter']
+                         warmup, strict, progress, temperature, top_p, top_k, seed, tree_budget)['drafter']
 
 # %% ../nbs/evaluate.ipynb #ea308d83
+def _median_time(fn, reps, dev, after=None):
+    "The median seconds of `reps` calls of `fn` after one warm-up, `after` (untimed) run after each."
+    ts = []
+    for _ in range(reps + 1):
+        t0 = _clock(dev); fn(); ts.append(_clock(dev) - t0)
+        if after: after()
+    return sorted(ts[1:])[reps // 2]
+
 @torch.no_grad()
 def step_costs(target, drafter, prompt, reps=10):
     "Median seconds of one plain decode step, one verify step (a block of B tokens) and one draft step (DFlash2: its walk included), after `prompt`."
@@ -270,17 +374,35 @@ def step_costs(target, drafter, prompt, reps=10):
     if not croppable(cache): raise ValueError('step_costs needs a target whose cache can be cropped (attention layers only)')
     dc, P = drafter.new_cache(), len(prompt)
     drafter.draft(taps.to(drafter.fc.weight.device), torch.tensor([prompt[-1]]), P, dc)
-    def time_of(fn):
-        ts = []
-        for _ in range(reps + 1):
-            t0 = _clock(dev); fn(); ts.append(_clock(dev) - t0)
-        return sorted(ts[1:])[reps // 2]                              # the first is a warm-up
+    time_of = lambda fn: _median_time(fn, reps, dev)
     def forward(n):
         target(_ids(prompt[-1:] * n, dev), cache=cache, use_cache=True); crop(cache, P)
-    draft = drafter.propose if isinstance(drafter, DFlash2DraftModel) else drafter.draft
     with _eval_mode(target, drafter):
         return dict(decode_s=time_of(lambda: forward(1)), verify_s=time_of(lambda: forward(B)),
-                    draft_s=time_of(lambda: draft(None, torch.tensor([prompt[-1]]), P, dc)), block_size=B)
+                    draft_s=time_of(lambda: drafter.propose(None, torch.tensor([prompt[-1]]), P, dc)), block_size=B)
+
+# %% ../nbs/evaluate.ipynb #d830a09f
+@torch.no_grad()
+def tree_verify_cost(target, prompt, budgets=(1, 4, 16, 64), block_size=16, reps=10, logits=None):
+    """Median seconds, after `prompt`, of one plain decode step, one chain verify of a block of `block_size` (with the rollback after a
+    rejection at its first slot) and one tree verify per budget N (the forward and the commit of the root: `verify_tree`), with the
+    rows each tree's forward read. The trees: `build_tree` of `logits` [block_size - 1, V] (None: every slot's token of rank r at -2 sqrt(r))."""
+    dev, root = target.device, prompt[-1]
+    cache = DynamicCache(config=target.config)
+    target(_ids(prompt[:-1], dev), cache=cache, use_cache=True)
+    base, hs, back = snapshot(cache), bool(recurrent_mixers(target, cache)), lambda: restore(cache, base)
+    if logits is None: logits = (-2 * torch.arange(target.get_output_embeddings().weight.shape[0]).float().sqrt()).expand(block_size - 1, -1)
+    def chain():
+        snap = snapshot(cache) if not croppable(cache) else cache.get_seq_length()
+        o = target(_ids([root] * block_size, dev), cache=cache, use_cache=True, output_hidden_states=hs)
+        rollback(target, cache, snap, [root], o.hidden_states)
+    trees = {N: build_tree(logits, N) for N in budgets}
+    def tree(N): verify_tree(target, cache, trees[N], root, hs).commit(target, cache, [])
+    with _eval_mode(target):
+        return dict(decode_s=_median_time(lambda: target(_ids([root], dev), cache=cache, use_cache=True), reps, dev, back),
+                    chain_s=_median_time(chain, reps, dev, back), block_size=block_size,
+                    tree_s={N: _median_time(partial(tree, N), reps, dev, back) for N in budgets},
+                    rows={N: 1 if croppable(cache) else len(leaf_paths(trees[N])) for N in budgets})
 
 # %% ../nbs/evaluate.ipynb #3c6d21d9
 def plot_results(res, path=None):
@@ -339,6 +461,8 @@ class EvalConfig(Job):
     top_p: float = param(1.0, 'sampling: keep the most likely tokens up to this mass', gt=0, max=1, needs=(lambda j: j.temperature > 0, 'temperature > 0'))
     top_k: int = param(0, 'sampling: keep the k most likely tokens (0: all)', min=0, needs=(lambda j: j.temperature > 0, 'temperature > 0'))
     seed: int = param(0, 'seed of the sampled decodes', min=0, needs=(lambda j: j.temperature > 0, 'temperature > 0'))
+    tree_budget: int = param(0, "also verify the drafter's DDTree of this many nodes per step, a row 'dflash tree N' (0: chains only)",
+                             min=0, needs=(lambda j: j.drafter is not None, 'a drafter'))
 
     def check(self):
         if self.target is None: self.set('target', str(TINY_TARGET), 'the embedded target')
@@ -355,10 +479,10 @@ class EvalConfig(Job):
 
 def tau_table(results):
     "The printed table of `evaluate_job`'s results: a row per file, drafter and temperature, then whether every greedy output was lossless."
-    rows = [f"{'prompts':24} {'drafter':16} {'tau':>6} {'drafted/step':>13} {'tok/s':>8} {'speedup':>8}"]
+    rows = [f"{'prompts':24} {'drafter':22} {'tau':>6} {'drafted/step':>13} {'tok/s':>8} {'speedup':>8}"]
     for f, res in results.items():
         for name, r in res.items():
-            rows.append(f"{Path(f).name[:24]:24} {name:16} {r['tau']:6.2f} {r['drafted_per_step']:13.2f} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f}")
+            rows.append(f"{Path(f).name[:24]:24} {name:22} {r['tau']:6.2f} {r['drafted_per_step']:13.2f} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f}")
     greedy = [(f, n, r) for f, res in results.items() for n, r in res.items() if r['lossless'] is not None]
     bad = [(f, n, p['prompt']) for f, n, r in greedy for p in r['per_prompt'] if not p['lossless']]
     n = sum(len(r['per_prompt']) for _, _, r in greedy)
@@ -381,14 +505,15 @@ def evaluate_job(*args, **kw):
     target = load_target(job.target, job.dtype)
     drafters = {'dflash': load_drafter(job.drafter, target)} if job.drafter else {}
     out.mkdir(parents=True, exist_ok=True); job.save(out / 'config.json')
-    drafters['ngram'] = NgramDrafter()
+    trees = {f'dflash tree {job.tree_budget}': job.tree_budget} if job.drafter and job.tree_budget else {}
+    drafters.update({k: drafters['dflash'] for k in trees}, ngram=NgramDrafter())
     B = None                                 # each drafter its own block: the drafter's, n-gram 16 (as in training's final loop)
     results = {}
     for f, prompts in sets.items():
-        results[f] = evaluate_many(target, drafters, prompts, job.max_new_tokens, B, progress=True)
+        results[f] = evaluate_many(target, drafters, prompts, job.max_new_tokens, B, progress=True, tree_budget=trees)
         if job.temperature > 0:
             hot = evaluate_many(target, drafters, prompts, job.max_new_tokens, B, progress=True, temperature=job.temperature,
-                                top_p=job.top_p, top_k=job.top_k, seed=job.seed)
+                                top_p=job.top_p, top_k=job.top_k, seed=job.seed, tree_budget=trees)
             results[f].update({f'{k} T={job.temperature:g}': r for k, r in hot.items()})
     print(tau_table(results))
     write_json_atomic(out / 'results.json', dict(config=job.to_dict(), target=target_name(job.target), results=results))
@@ -396,5 +521,5 @@ def evaluate_job(*args, **kw):
     return results
 
 def evaluate_cli(argv=None):
-    "Measure tau with lossless speculative decoding: `dflash_evaluate --target MODEL --drafter DIR --eval-data a.jsonl,b.jsonl [--temperature 0.7]`."
+    "Measure tau with lossless speculative decoding: `dflash_evaluate --target MODEL --drafter DIR --eval-data a.jsonl,b.jsonl [--temperature 0.7] [--tree-budget 16]`."
     return run_cli(evaluate_job, EvalConfig, 'dflash_evaluate', argv)

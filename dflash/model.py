@@ -7,7 +7,7 @@ __all__ = ['SLIDING', 'FULL', 'DFlashConfig', 'drafter_config', 'DFlashAttention
            'feature_scale_of', 'DraftCache']
 
 # %% ../nbs/model.ipynb #149b3545
-import warnings
+import math, warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -394,3 +394,42 @@ def _new_cache(self):
     return DraftCache(self.config.windows, self.block_size)
 
 DFlashDraftModel.draft_states, DFlashDraftModel.draft, DFlashDraftModel.new_cache = _draft_states, _draft, _new_cache
+
+# %% ../nbs/model.ipynb #90ddd60b
+@torch.no_grad()
+def _propose_sampled(self, context_hidden, last_token, start_pos=None, cache=None, k=None, warp=None, generator=None):
+    """The first `k` slots' tokens (None: all B-1) drawn from `warp` (the target's sampler, e.g. a `Sampling`) of the drafter's logits,
+    and those distributions: `(tokens [b, k], q [b, k, V])`."""
+    q = warp(self.draft(context_hidden, last_token, start_pos, cache)[:, :k])
+    return torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(q.shape[:2]), q
+
+@torch.no_grad()
+def _propose(self, context_hidden, last_token, start_pos=None, cache=None, temperature=0.0, generator=None):
+    """DFlash's block in DFlash2's shape, `(path [b, B-1], candidates, q)`: each slot's argmax at `temperature` 0 (q None), else a draw
+    from softmax(logits / T) with q [b, B-1, V] over the vocabulary; candidates None (q's columns are the vocabulary)."""
+    if temperature > 0:
+        path, q = self.propose_sampled(context_hidden, last_token, start_pos, cache, None,
+                                       lambda x: torch.softmax(x.float() / temperature, -1), generator)
+        return path, None, q
+    return self.draft(context_hidden, last_token, start_pos, cache).argmax(-1), None, None
+
+# %% ../nbs/model.ipynb #560f2264
+@torch.no_grad()
+def _tree_children(self, context_hidden, last_token, start_pos=None, cache=None, budget=16, warp=None):
+    """The children of any node of a draft tree, for `grow_tree`: `(expand, slots)`, `expand(path)` giving the tokens that may follow the
+    drafted `path` (a tuple) and their log-probabilities, best first, for paths of up to `slots` (B-1) tokens. DFlash: slot d+1's top
+    min(`budget`, V) tokens at every depth d, log-softmax of its logits, or at T > 0 (`warp`) those of the warp with probability > 0."""
+    logits = self.draft(context_hidden, last_token, start_pos, cache)
+    if logits.shape[0] != 1: raise ValueError(f'a draft tree grows from one block: got a batch of {logits.shape[0]}')
+    x = logits[0].float()
+    if warp is None:
+        top, ids = torch.topk(x, min(budget, x.shape[-1]), dim=-1)            # as `build_tree` takes them
+        lps = top - torch.logsumexp(x, -1, keepdim=True)
+    else:
+        top, ids = torch.topk(warp(x), min(budget, x.shape[-1]), dim=-1)
+        lps = top.log()
+    lps, ids = lps.cpu().tolist(), ids.cpu().tolist()
+    n = [len(r) if warp is None else sum(w > -math.inf for w in r) for r in lps]   # a warp's zeros: never a node
+    return (lambda path: (ids[len(path)][:n[len(path)]], lps[len(path)][:n[len(path)]])), len(lps)
+
+DFlashDraftModel.propose, DFlashDraftModel.propose_sampled, DFlashDraftModel.tree_children = _propose, _propose_sampled, _tree_children

@@ -54,7 +54,7 @@ def save_checkpoint(out, step, model, state, keep=2):
 SHAPE_KEYS = ('num_layers', 'layer_ids', 'arch')      # the drafter's tensors change: no checkpoint of the old shape loads
 FIXED_KEYS = {'init_from': 'init_from is read when a run starts, and a resume continues from the checkpoint, never from it',
               'drafters': "each drafter rank has its own share of the data order and of the checkpoint's state"}
-VAL_KEYS = ('val_data', 'val_extracted', 'val_samples', 'val_anchors')
+VAL_KEYS = ('val_data', 'val_extracted', 'val_samples', 'val_anchors', 'val_tree_budgets')
 RESUME_KEYS = {                                       # a setting `resume_changes` may let change: how the change takes effect
     'target': "compared by its config's hash (a moved folder is the same target); another target is refused",
     **dict.fromkeys(('block_size', 'mask_token_id', 'layer_types', 'sliding_window', 'is_causal'), "the drafter's config, built from the run's settings"),
@@ -64,7 +64,8 @@ RESUME_KEYS = {                                       # a setting `resume_change
                     'the plan of batches, rebuilt from the step on; the schedule spans its new length'),
     **dict.fromkeys(('lr', 'min_lr_ratio', 'warmup', 'weight_decay'), "the schedule and the optimizer's groups, set over the restored state"),
     'optimizer': 'a fresh optimizer of the new kind (its moments start at zero), at the same point of the schedule',
-    **dict.fromkeys(VAL_KEYS, 'the kept best drafter is measured again on the new split before the run goes on')}
+    'best_by': "the next evaluation compares by the new figure (the kept best's measured again first if its record lacks it)",
+    **dict.fromkeys(VAL_KEYS, 'the kept best drafter is measured again on the new split and figures before the run goes on')}
 FREE_KEYS = ('data', 'extracted', 'max_length',     # the data: compared by its fingerprint, not by these
              'out', 'targets', 'ranks', 'q_depth', 'log_every', 'eval_every', 'tau_every', 'eval_data', 'eval_prompts', 'eval_max_new_tokens',
              'eval_temperature', 'eval_top_p', 'eval_top_k', 'report_to', 'final_eval', 'verify', 'compile', 'ckpt_every', 'keep', 'resume',
@@ -118,13 +119,13 @@ def _resume_changes(ck, st, cfg, data_sha256):
 
 # %% ../nbs/checkpoint.ipynb #b678cc38
 def _drop_after(path, step):
-    """Move the records of `path` (metrics.jsonl) about steps after `step` into `metrics.after-{step}.jsonl` beside it (`.2`, `.3`...
-    when an earlier resume from the same step set some aside already); returns how many."""
+    """Move the records of `path` (e.g. metrics.jsonl) about steps after `step` into `{its stem}.after-{step}.jsonl` beside it (`.2`,
+    `.3`... when an earlier resume from the same step set some aside already); returns how many."""
     recs = read_jsonl(path)
     later = [m for m in recs if 'event' not in m and m.get('step', 0) > step]
     if later:
         keep = [m for m in recs if not ('event' not in m and m.get('step', 0) > step)]
-        aside = first_free(lambda k: path.with_name(f'metrics.after-{step}' + (f'.{k}' if k > 1 else '') + '.jsonl'))
+        aside = first_free(lambda k: path.with_name(f'{path.stem}.after-{step}' + (f'.{k}' if k > 1 else '') + '.jsonl'))
         aside.write_text(''.join(json.dumps(m) + '\n' for m in later))
         tmp = path.with_name(path.name + '.tmp'); tmp.write_text(''.join(json.dumps(m) + '\n' for m in keep)); os.replace(tmp, path)
     return len(later)

@@ -21,6 +21,7 @@ from .taps import text_config, load_target_config, target_name, target_revision,
 from .model import DFlashConfig, DFlashDraftModel, drafter_config
 from .dflash2 import DFlash2DraftModel, drafter_class
 from .track import check_trackers, report_to_param
+from .validate import tree_budgets, check_best_by
 
 # %% ../nbs/recipe.ipynb #a868ef88
 # The published recipe, for a real target. Sources: SpecForge (sgl-project/SpecForge) scripts/train_dflash.py defaults
@@ -107,6 +108,14 @@ class TrainConfig(Job):
     val_extracted: str | None = param(None, 'an extraction of the validation split, instead of val_data (checked against the target and taps)')
     val_samples: int | None = param(None, 'validation conversations used; None: all (demo: 64)', min=1)
     val_anchors: int | None = param(None, 'blocks per validation conversation; None: one at every loss position (and the loop\'s walk)', min=1)
+    val_tree_budgets: list[int] | str = param('16,64', "DDTree tree budgets (verify positions), comma-separated: the held-out acceptance of "
+                                              "each budget's draft tree, read from the same drafter forward as val_tau (val_tree_tau in "
+                                              "metrics.jsonl; the trees' calibration in out/tree_calibration.jsonl); it costs about 0.4 ms "
+                                              "of CPU per held-out block at 16,64 (a block at every loss position unless val_anchors), and "
+                                              "one more pass of the head over the blocks' slots; 'none': off", off=True, needs=(lambda c: c.validates, 'a validation split (val_data or val_extracted)'))
+    best_by: str = param('val_tau', "the held-out figure that picks the best checkpoint (the published drafter): val_tau (the chain), or "
+                         "val_tree_tau@N (the tree of budget N, one of val_tree_budgets) for a drafter served with trees",
+                         needs=(lambda c: c.validates, 'a validation split (val_data or val_extracted)'))
     eval_every: int | None = param(None, 'steps between held-out acceptance evaluations (0: only at the end); None: 500 (recipe), 100 (demo)', min=0,
                                    needs=(lambda c: c.validates, 'a validation split (val_data or val_extracted)'))
     tau_every: int = param(0, 'steps between lossless tau evaluations during training (slow; 0: only at the end)', min=0)
@@ -163,6 +172,8 @@ class TrainConfig(Job):
         if self.val_data is not None and self.val_data != 'none' and not Path(self.val_data).exists():
             raise FileNotFoundError(f'val_data: no such file or directory: {self.val_data}')
         if self.val_data not in (None, 'none'): self.val_data = str(Path(self.val_data).resolve())
+        self.val_tree_budgets = tree_budgets(self.val_tree_budgets)          # one spelling: ascending ints, or 'none'
+        check_best_by(self.best_by, self.val_tree_budgets)
         self._check_validation()
         if self.val_extracted is not None and not (Path(self.val_extracted) / 'manifest.json').exists():
             raise FileNotFoundError(f'val_extracted: {self.val_extracted} is not an extraction (no manifest.json)')

@@ -23,7 +23,7 @@ from .publish import mask_token_for
 from .evaluate import TauProbe, load_prompts
 from .engine import serving_problems
 from .dist import Coord, HSSender, OnlineSource, launch, peer_lost, store_from_env
-from .validate import Validator, check_best
+from .validate import Validator, check_best, check_best_by, tree_budgets
 from .metrics import follow, val_line
 from .recipe import (TrainConfig, rank_device, resolve_mask_token, resolve_layer_types, resolve_init_from, init_config,
                            make_optimizer, frequent_labels, resolve_arch)
@@ -133,7 +133,8 @@ def run_drafter(cfg, coord, d, plan, ds, device, group, pg, stop):
         rec = dict(step=trainer.step, tau=t, tau_eval_s=time.time() - t0, time=time.time())
         append_jsonl(trainer.out / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
     validator = (Validator(cfg.val_extracted, cfg.out, cfg.token_budget, cfg.val_anchors, cfg.val_samples, cfg.eval_max_new_tokens, cfg.seed,
-                           step=trainer.step, remeasure=bool(set(trainer.changed) & set(VAL_KEYS)))
+                           step=trainer.step, remeasure=bool(set(trainer.changed) & set(VAL_KEYS)),
+                           tree_budgets=[] if tree_budgets(cfg.val_tree_budgets) == 'none' else tree_budgets(cfg.val_tree_budgets), best_by=cfg.best_by)
                  if d == 0 and cfg.val_extracted else None)
     def validate(trainer):
         rec = validator(trainer.model, trainer.step)
@@ -155,7 +156,7 @@ def run_drafter(cfg, coord, d, plan, ds, device, group, pg, stop):
 
 # %% ../nbs/train.ipynb #4f921c9f
 RUN_FILES = ('metrics.jsonl', 'checkpoints', 'drafter', 'result.json', 'run.json', 'logs', 'val', 'loss.png', 'accuracy.png', 'throughput.png',
-             'queue.png', 'dashboard.png', 'trackers.json', 'tensorboard', 'wandb', 'mlruns')
+             'queue.png', 'dashboard.png', 'trackers.json', 'tensorboard', 'wandb', 'mlruns', 'tree_calibration.jsonl', 'tree_calibration.png')
 
 def _training_sha(cfg, ds):
     "The fingerprint of the run's training data: of the tokenized dataset (online), as its extraction records it (offline)."
@@ -226,6 +227,7 @@ def prepare_job(cfg):
                          f'(the earlier run is moved to {out}/previous-*), or choose another out')
     ck, st = _resumed(cfg, out)
     if st: adopt_checkpoint(cfg, st.get('config', {}))               # what the user leaves unset is the first run's
+    check_best_by(cfg.best_by, cfg.val_tree_budgets)                  # against the budgets the run reads (a resume's adopted ones)
     cfg.target = target_name(cfg.target)
     tcfg = load_target_config(cfg.target); L = text_config(tcfg).num_hidden_layers
     if cfg.init_from: resolve_init_from(cfg, tcfg)                   # before any default: unset settings are the checkpoint's

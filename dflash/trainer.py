@@ -20,7 +20,7 @@ from .blocks import anchor_generator
 from .loss import tail_sample
 from .dflash2 import DFlash2DraftModel, drafter_class
 from .track import Trackers
-from .metrics import Meter, progress_line
+from .metrics import Meter, progress_line, TREE_CALIBRATION
 from .recipe import drafter_for, load_init, make_optimizer, frequent_labels
 from .checkpoint import latest_checkpoint, save_checkpoint, _resume_changes, _drop_after
 
@@ -208,7 +208,7 @@ def _run(self, source, stop_flag=lambda: False, evaluate_tau=None, validate=None
     cfg, total = self.cfg, self.plan.total_steps
     self.model.train()
     if self.main and self.resumed_from:
-        n = _drop_after(self.out / 'metrics.jsonl', self.step)
+        n = _drop_after(self.out / 'metrics.jsonl', self.step); _drop_after(self.out / TREE_CALIBRATION, self.step)   # the trees' lines too
         append_jsonl(self.out / 'metrics.jsonl', dict(event='resume', step=self.step, checkpoint=self.resumed_from,
                                                      changed={k: list(v) for k, v in self.changed.items()}, dropped=n, time=time.time()))
         print(f'resumed from {self.resumed_from} at step {self.step}' + (f'; {n} metrics lines of the steps after it, which this run '

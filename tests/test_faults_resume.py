@@ -78,9 +78,10 @@ CHANGES = {'block_size': (['--block-size', '8'], []), 'mask_token_id': (['--mask
            'min_lr_ratio': (['--min-lr-ratio', '0.5'], []), 'warmup': (['--warmup', '3'], []), 'weight_decay': (['--weight-decay', '0.5'], []),
            'optimizer': (['--optimizer', 'muon'], []), 'target': (None, None),
            'val_data': (None, None), 'val_extracted': (['--val-extracted', 'VAL2'], 'vbase'), 'val_samples': (['--val-samples', '8'], 'vbase'),
-           'val_anchors': (['--val-anchors', '4'], 'vbase')}
+           'val_anchors': (['--val-anchors', '4'], 'vbase'), 'val_tree_budgets': (['--val-tree-budgets', '4'], 'vbase'), 'best_by': (None, None)}
 ELSEWHERE = {'selector_alpha': 'test_selector_alpha_change_takes_effect', 'epochs': 'test_epochs_change_takes_effect',
-             'target': 'test_a_moved_target_resumes', 'val_data': 'test_another_val_data_on_resume_sets_the_old_extraction_aside'}
+             'target': 'test_a_moved_target_resumes', 'val_data': 'test_another_val_data_on_resume_sets_the_old_extraction_aside',
+             'best_by': 'test_best_by_change_takes_effect'}
 
 
 def test_every_resume_setting_is_tested():
@@ -137,6 +138,26 @@ def test_a_validation_change_measures_the_kept_best_again(w, tmp_path, key):
     assert again['step'] == 2 and again['before'] == first['val_tau'] and 'measured again on the new split' in so
     assert best['step'] == 4 or best.get('remeasured_from', {}).get('val_tau') == first['val_tau']
 
+
+
+def test_best_by_change_takes_effect(w, tmp_path):
+    """The figure that picks the best, changed on resume: refused unless named; a budget the run does not read is refused before
+    anything changes; named, the next evaluations compare by the tree's figure (the kept best's read when it was kept)."""
+    from dflash.validate import better
+    before = tree(w / 'vbase')
+    code, _, err, out = resumed(w, tmp_path / 'no', '--best-by', 'val_tree_tau@64', '--max-steps', '4', base='vbase')
+    assert code == 1 and "resume_changes='max_steps,best_by'" in err and tree(out) == before, err[-2000:]
+    code, _, err, out = resumed(w, tmp_path / 'bad', '--best-by', 'val_tree_tau@32', '--max-steps', '4', '--resume-changes', 'best_by,max_steps', base='vbase')
+    assert code == 1 and 'add 32 there' in err and tree(out) == before, err[-2000:]
+    code, so, err, out = resumed(w, tmp_path / 'yes', '--best-by', 'val_tree_tau@64', '--max-steps', '4', '--resume-changes', 'best_by,max_steps',
+                                 '--eval-every', '1', base='vbase')
+    assert code == 0, err[-2000:]
+    kept = json.loads((w / 'vbase' / 'checkpoints' / 'best' / 'BEST.json').read_text())
+    assert '64' in kept['val_tree_tau']                                 # the first run read trees: nothing to measure again
+    for r in [r for r in read_metrics(out) if 'val_tau' in r and r['step'] > 2]:
+        assert 'best_remeasured' not in r and r['best'] == better(r, kept, 'val_tree_tau@64'), r
+        if r['best']: kept = r
+    assert json.loads((out / 'checkpoints' / 'best' / 'BEST.json').read_text())['step'] == kept['step']
 
 def test_selector_alpha_change_takes_effect(w, tmp_path):
     "DFlash2's selector weight: a DFlash2 run resumed with another weight trains otherwise."

@@ -59,3 +59,36 @@ def test_a_run_publishes_its_best_drafter(memorized):
     a = load_drafter(d / 'run/drafter', load_target(str(TINY_TARGET)))
     assert heldout_acceptance(a, ExtractedDataset(d / 'v'))['val_tau'] == pytest.approx(best['val_tau'], abs=1e-6)
     assert f"the step-{best['step']} drafter, the best of the run" in (d / 'run/drafter/README.md').read_text()
+
+
+def test_a_run_reads_trees_beside_the_chain(memorized):
+    "By default a run reads DDTree's trees of budgets 16 and 64 from the held-out forward: in metrics.jsonl, the calibration file, the plots."
+    from dflash.core import read_jsonl
+    from dflash.metrics import plot_dashboard, plot_calibration, TREE_CALIBRATION
+    d, _ = memorized
+    vals = [m for m in read_metrics(d / 'run') if 'val_tau' in m]
+    for m in vals:
+        t, se = m['val_tree_tau'], m['val_tree_tau_se']
+        assert set(t) == set(se) == {'16', '64'} and 1 <= t['16'] <= t['64'] <= 16 and all(s > 0 for s in se.values())
+        assert len(m['val_ece']) == 15 and 'val_calibration' not in m
+    last = vals[-1]                                                        # a drafter that knows its replies: trees hold more of them
+    assert last['val_tree_tau']['64'] > last['val_tau'], (last['val_tree_tau'], last['val_tau'])
+    lines = read_jsonl(d / 'run' / TREE_CALIBRATION)
+    assert [c['step'] for c in lines] == [40, 80, 120] and all(c['budget'] == 64 and len(c['spine']['nodes']) == 15 for c in lines)
+    assert lines[-1]['spine']['nodes'][0] == last['val_blocks']            # every block's root reaches depth 1
+    tw = next(a for a in plot_dashboard(d / 'run').axes if a.get_ylabel() == 'tau')
+    labels = [l.get_label() for l in tw.lines]
+    assert {'held-out tau (simulated)', 'held-out tree, budget 16', 'held-out tree, budget 64'} <= set(labels), labels
+    plot_calibration(d / 'run')
+    assert (d / 'run' / 'dashboard.png').exists() and (d / 'run' / 'tree_calibration.png').exists()
+
+
+def test_best_by_a_budget_not_read_is_refused(tmp_path):
+    "best_by names a tree the held-out reading does not build: refused when the job is built, before anything is written."
+    from dflash.recipe import TrainConfig
+    with pytest.raises(ValueError, match=r"best_by='val_tree_tau@32': the held-out reading measures trees of val_tree_budgets=16,64 only: add 32"):
+        TrainConfig(out=str(tmp_path / 'run'), best_by='val_tree_tau@32')
+    with pytest.raises(ValueError, match=r'val_tree_budgets=none only'):
+        TrainConfig(out=str(tmp_path / 'run'), best_by='val_tree_tau@16', val_tree_budgets='none')
+    assert TrainConfig(out=str(tmp_path / 'run'), best_by='val_tree_tau@32', val_tree_budgets='64,32').val_tree_budgets == [32, 64]
+    assert not (tmp_path / 'run').exists()

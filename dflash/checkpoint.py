@@ -68,7 +68,7 @@ RESUME_KEYS = {                                       # a setting `resume_change
     **dict.fromkeys(VAL_KEYS, 'the kept best drafter is measured again on the new split and figures before the run goes on')}
 FREE_KEYS = ('data', 'extracted', 'max_length',     # the data: compared by its fingerprint, not by these
              'out', 'targets', 'ranks', 'q_depth', 'log_every', 'eval_every', 'tau_every', 'eval_data', 'eval_prompts', 'eval_max_new_tokens',
-             'eval_temperature', 'eval_top_p', 'eval_top_k', 'report_to', 'final_eval', 'verify', 'compile', 'ckpt_every', 'keep', 'resume',
+             'eval_temperature', 'eval_top_p', 'eval_top_k', 'eval_tree_budget', 'report_to', 'final_eval', 'verify', 'compile', 'ckpt_every', 'keep', 'resume',
              'resume_changes', 'overwrite', 'device', 'dtype', 'threads', 'nnodes', 'rdzv_endpoint', 'max_restarts', 'pg_timeout_s',
              'dead_after_s', 'progress', 'servable', 'engine_eval')
 NOT_ADOPTED = ('target', 'data', 'extracted', 'out', 'resume', 'resume_changes', 'overwrite', 'device', 'threads', 'nnodes', 'rdzv_endpoint',

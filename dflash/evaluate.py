@@ -425,10 +425,11 @@ def plot_results(res, path=None):
 # %% ../nbs/evaluate.ipynb #5b108314
 class TauProbe:
     """tau of drafters on the prompts of the `eval_data` files (comma-separated), the target loaded and its own decodes run once;
-    greedy, or sampled at `temperature` (with `top_p`, `top_k`, draws seeded by `seed`)."""
-    def __init__(self, target, eval_data, n=8, max_new_tokens=64, dtype=None, device=None, temperature=0.0, top_p=1.0, top_k=0, seed=0):
+    greedy, or sampled at `temperature` (with `top_p`, `top_k`, draws seeded by `seed`); `tree_budget` N > 0: DDTree trees of N nodes."""
+    def __init__(self, target, eval_data, n=8, max_new_tokens=64, dtype=None, device=None, temperature=0.0, top_p=1.0, top_k=0, seed=0,
+                 tree_budget=0):
         self.target_name, self.files, self.n, self.max_new_tokens = target, [f.strip() for f in eval_data.split(',') if f.strip()], n, max_new_tokens
-        self.dtype, self.device, self.target, self.sets = dtype, device, None, {}
+        self.dtype, self.device, self.target, self.sets, self.tree_budget = dtype, device, None, {}, tree_budget
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         if temperature > 0: sampling_probs(torch.zeros(2), temperature, top_p, top_k)      # refuse bad settings now, not mid-training
 
@@ -443,7 +444,8 @@ class TauProbe:
     def __call__(self, drafter):
         "`(tau averaged over the files, {file: evaluate's result})` of `drafter`."
         target = self._load()
-        res = {f: evaluate(target, drafter, ps, self.max_new_tokens, reference=ref, **self.sampling) for f, (ps, ref) in self.sets.items()}
+        res = {f: evaluate(target, drafter, ps, self.max_new_tokens, reference=ref, tree_budget=self.tree_budget, **self.sampling)
+               for f, (ps, ref) in self.sets.items()}
         return sum(r['tau'] for r in res.values()) / len(res), res
 
 # %% ../nbs/evaluate.ipynb #55ddc3d7

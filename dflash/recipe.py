@@ -38,12 +38,13 @@ RECIPE = dict(num_layers=5,            # configs/qwen3-8b-dflash.json "num_hidde
               token_budget=16384,      # ours: SpecForge runs 4 sequences of up to 3072 tokens per GPU per step
               eval_prompts=16, eval_max_new_tokens=256,    # ours: a tau estimate during training, not the benchmark
               eval_every=500,          # ours: held-out acceptance (SpecForge's simulated_acc_len) every 500 steps
+              eval_tree_budget=16,     # ours: the final loop also decodes DDTree trees of 16 nodes (DDTree's smallest budget)
               loss='dpace')            # D-PACE, the DFlash loss of speculators and ModelOpt; measured here: +0.08 held-out tau (BENCHMARKS.md)
 # The embedded demo target: a 7M-parameter model on a laptop CPU, chosen for minutes, not days.
 # Its data is the target's own replies (REGEN_DATA); budget 1024 gives twice the steps of 2048 for the same tokens.
 DEMO = dict(num_layers=1, block_size=16, num_anchors=16, lr=3e-3, warmup=0.05, min_lr_ratio=0.1, weight_decay=0.01,
             max_length=2048, epochs=2.0, token_budget=1024, eval_prompts=8, eval_max_new_tokens=64, eval_every=100, val_samples=64,
-            loss='decay')
+            loss='decay', eval_tree_budget=0)
 
 @dataclass
 class TrainConfig(Job):
@@ -67,9 +68,9 @@ class TrainConfig(Job):
                       "DFlash drafter); on a hybrid target the published Qwen3.8-27B layout: block 8, every layer sliding, is_causal false",
                       choices=('dflash', 'dflash2'))
     is_causal: bool | None = param(None, "every layer causal inside the block (true) or none (false); None: sliding layers causal, full ones not")
-    servable: bool | None = param(None, "what llama.cpp cannot serve (a tap on the target's last layer, DFlash2's hidden-size bounds), "
-                                  "checked before training: true: refused; None: a warning (not checked for the embedded demo, a target "
-                                  "llama.cpp does not load); false: not checked")
+    servable: bool | None = param(None, "what llama.cpp cannot serve (a tap on the target's last layer, DFlash2's hidden-size bounds) is "
+                                  "refused before training; None: refused (the embedded demo is not checked unless true); false: not "
+                                  "checked (vLLM and SGLang may still serve it)")
     init_from: str | None = param(None, "a drafter checkpoint (ours or the published layout) to fine-tune; settings left unset come from it")
     num_anchors: int | None = param(None, 'anchors (blocks) per sequence per step; None: 512 (recipe), 16 (demo)', min=1)
     token_budget: int | None = param(None, 'padded tokens per batch (targets and drafters); None: 16384 (recipe), 1024 (demo)', min=1)
@@ -126,6 +127,8 @@ class TrainConfig(Job):
                                     least=1e-3)
     eval_top_p: float = param(1.0, 'top_p of the sampled lossless loop', gt=0, max=1, needs=(lambda c: c.eval_temperature > 0, 'eval_temperature > 0'))
     eval_top_k: int = param(0, 'top_k of the sampled lossless loop (0: all)', min=0, needs=(lambda c: c.eval_temperature > 0, 'eval_temperature > 0'))
+    eval_tree_budget: int | None = param(None, "the final lossless loop also decodes the drafter's DDTree trees of this many nodes a step "
+                                         "(0: the chain only); None: 16 (recipe), 0 (demo)", min=0)
     report_to: str = report_to_param()
     final_eval: bool = param(True, 'measure tau (and the n-gram baseline) at the end')
     engine_eval: bool | None = param(None, "at the end, also serve the published drafter with llama.cpp (xllamacpp) on the same prompts: the "

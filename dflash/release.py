@@ -28,7 +28,13 @@ def _chosen(cfg, trainer, validator, device):
     return model, (f" Published: the step-{b['step']} drafter, the best of the run by held-out acceptance (simulated tau {b['val_tau']:.3f} "
                    f"+- {b['val_tau_se']:.3f} on {b['val_sequences']} held-out conversations of the target's own replies"
                    + (f', {b["val_tau_walk"]:.3f} along the lossless loop\'s path' if b.get('val_tau_walk') else '') + f'; the run ended at step {last}).'
-                   + _resolution(b, getattr(validator, 'last', None)))
+                   + _trees(b, cfg.best_by) + _resolution(b, getattr(validator, 'last', None)))
+
+def _trees(b, by):
+    "The card's word on the best's held-out tree acceptance, and on the figure that chose it when not the chain's."
+    t = b.get('val_tree_tau') or {}
+    said = (' As DDTree trees: ' + ', '.join(f"{v:.3f} at {n} nodes" for n, v in t.items()) + '.') if t else ''
+    return said + (f' It was chosen by {by.replace("val_tree_tau@", "the tree acceptance at ")} nodes.' if by != 'val_tau' else '')
 
 def _resolution(b, last):
     "The card's word on a pick within the figure's resolution: the last evaluation's figure no further from the best's than their errors."
@@ -43,10 +49,17 @@ def _measure(cfg, trainer, probe, model, device, res):
     baseline on each `eval_data` file, greedy, and sampled too at `eval_temperature`. `(taus, sampled taus, what was measured)` for the card."""
     t0 = time.time(); (t, r), (tn, rn) = probe(model), probe(NgramDrafter())
     lossless = all(x['lossless'] for x in [*r.values(), *rn.values()])
-    res.update(tau=t, tau_ngram=tn, lossless=lossless, tau_by_file={f: x['tau'] for f, x in r.items()})
-    rec = dict(step=res.get('best_step', trainer.step), tau=t, tau_ngram=tn, lossless=lossless, tau_eval_s=time.time() - t0, time=time.time(), final=True)
+    tree, rt = {}, {}
+    if cfg.eval_tree_budget:                         # the same prompts, the drafter's DDTree trees verified instead of its chain
+        tp = TauProbe(cfg.target, cfg.eval_data, cfg.eval_prompts, cfg.eval_max_new_tokens, cfg.dtype, device, tree_budget=cfg.eval_tree_budget)
+        tp.target, tp.sets = probe.target, probe.sets                      # one target, its greedy decodes done once
+        tt, rt = tp(model)
+        tree, lossless = dict(tau_tree=tt, tree_budget=cfg.eval_tree_budget), lossless and all(x['lossless'] for x in rt.values())
+    res.update(tau=t, tau_ngram=tn, lossless=lossless, tau_by_file={f: x['tau'] for f, x in r.items()}, **tree)
+    rec = dict(step=res.get('best_step', trainer.step), tau=t, tau_ngram=tn, **tree, lossless=lossless, tau_eval_s=time.time() - t0,
+               time=time.time(), final=True)
     append_jsonl(Path(cfg.out) / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
-    results = {f: {'dflash': r[f], 'ngram': rn[f]} for f in r}
+    results = {f: {'dflash': r[f], **({f'dflash tree {cfg.eval_tree_budget}': rt[f]} if rt else {}), 'ngram': rn[f]} for f in r}
     if cfg.eval_temperature > 0:                     # the same prompts sampled, as served at that temperature
         hot = TauProbe(cfg.target, cfg.eval_data, cfg.eval_prompts, cfg.eval_max_new_tokens, cfg.dtype, device, cfg.eval_temperature,
                        cfg.eval_top_p, cfg.eval_top_k, cfg.seed)
@@ -57,13 +70,15 @@ def _measure(cfg, trainer, probe, model, device, res):
     table = tau_table(results)
     print(table, flush=True)
     name = f"{type(model).__name__.removesuffix('DraftModel')} drafter"        # DFlash drafter, DFlash2 drafter
-    taus = {name: t, 'n-gram prompt lookup (same loop)': tn}
+    taus = {name: t, **({f'{name}, DDTree of {cfg.eval_tree_budget} nodes': res['tau_tree']} if 'tau_tree' in res else {}),
+            'n-gram prompt lookup (same loop)': tn}
     sampled = {name: res['tau_sampled'], 'n-gram prompt lookup (same loop)': res['tau_ngram_sampled']} if 'tau_sampled' in res else None
     hot = (f' --temperature {cfg.eval_temperature:g} --top-p {cfg.eval_top_p:g} --top-k {cfg.eval_top_k} --seed {cfg.seed}') if sampled else ''
     measured = (f"Greedy speculative decoding" + (f' (and sampled at temperature {cfg.eval_temperature:g}, top_p {cfg.eval_top_p:g}, top_k {cfg.eval_top_k})'
                 if sampled else '') + f" of {cfg.eval_prompts} prompts of each of `{cfg.eval_data}`, {cfg.eval_max_new_tokens} new "
                 f"tokens each, at the end of training; the same measurement: `dflash_evaluate --target {target_name(cfg.target)} --drafter "
-                f"PATH --eval-data {cfg.eval_data} --num-prompts {cfg.eval_prompts} --max-new-tokens {cfg.eval_max_new_tokens}{hot}`.\n\n```\n{table}\n```")
+                f"PATH --eval-data {cfg.eval_data} --num-prompts {cfg.eval_prompts} --max-new-tokens {cfg.eval_max_new_tokens}{hot}`" +
+                (f" (the tree: add `--tree-budget {cfg.eval_tree_budget}`)" if 'tau_tree' in res else '') + f".\n\n```\n{table}\n```")
     return taus, sampled, measured
 
 # %% ../nbs/release.ipynb #9e6f7a36

@@ -210,12 +210,12 @@ def _resumed(cfg, out):
 
 # %% ../nbs/train.ipynb #5a771464
 def _servable(cfg, tcfg):
-    "Refuse (`servable`) or warn of what llama.cpp cannot serve of this drafter (`dflash.engine.serving_problems`), before any training."
+    """Refuse what llama.cpp cannot serve of this drafter (`dflash.engine.serving_problems`), before any training, naming the setting;
+    `servable=False` turns the check off (the embedded demo, unless asked, is not checked)."""
     if cfg.servable is False or (cfg.servable is None and cfg.demo): return
     d2 = init_config(cfg.init_from).dflash_config if cfg.init_from else None
-    for p in serving_problems(tcfg, cfg.layer_ids, cfg.arch, d2):
-        if cfg.servable: raise ValueError(f'{p} (servable=True refuses it; vLLM and SGLang may still serve it)')
-        cfg.warn(f'{p}; the run goes on (vLLM and SGLang may still serve it)')
+    if bad := serving_problems(tcfg, cfg.layer_ids, cfg.arch, d2):
+        raise ValueError('; '.join(bad) + ' (servable=False, --no-servable, trains it all the same: vLLM and SGLang may still serve it)')
 
 def prepare_job(cfg):
     """Check everything, then resolve paths and layers, tokenize a ShareGPT file once (online), and set an earlier run

@@ -54,17 +54,19 @@ def test_the_engine_refuses_a_drafter_it_cannot_serve(w, tmp_path):
 
 
 def test_training_says_what_llamacpp_cannot_serve_before_it_starts(w, tmp_path):
-    "servable=True refuses a tap on the last layer before any step; left unset, the run warns and goes on."
+    "A tap on the last layer is refused before any step (servable unset or true); --no-servable trains it all the same."
     (tmp_path / 'few.jsonl').write_text(''.join(open(TRAIN_DATA).readlines()[:6]))
     args = ['--target', w / 'target', '--data', tmp_path / 'few.jsonl', '--num-layers', 1, '--layer-ids', '1,3', '--targets', 1, '--max-steps', 1,
             '--no-final-eval', '--no-progress', '--token-budget', 512, '--num-anchors', 4]
-    r = subprocess.run([str(BIN / 'dflash_train'), *map(str, args), '--out', tmp_path / 'a', '--servable'], capture_output=True, text=True,
+    r = subprocess.run([str(BIN / 'dflash_train'), *map(str, args), '--out', tmp_path / 'a'], capture_output=True, text=True,
                        timeout=600, env=ENV)
     assert r.returncode == 1 and 'layer_ids=[1, 3]: llama.cpp reads a tap' in r.stderr and not (tmp_path / 'a' / 'checkpoints').exists(), r.stderr[-2000:]
     from dflash.train import prepare_job
     from dflash.recipe import TrainConfig
-    cfg = prepare_job(TrainConfig(target=str(w / 'target'), data=str(tmp_path / 'few.jsonl'), num_layers=1, layer_ids=[1, 3], out=str(tmp_path / 'b')))
-    assert any(x.startswith('layer_ids=[1, 3]: llama.cpp') for x in cfg.warnings)
+    assert '--no-servable' in r.stderr, r.stderr[-2000:]
+    cfg = prepare_job(TrainConfig(target=str(w / 'target'), data=str(tmp_path / 'few.jsonl'), num_layers=1, layer_ids=[1, 3], out=str(tmp_path / 'b'),
+                                  servable=False))
+    assert cfg.layer_ids == [1, 3] and not any('llama.cpp' in x for x in cfg.warnings)
 
 
 def test_training_ends_with_the_engines_figures(w, tmp_path):

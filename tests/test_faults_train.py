@@ -15,7 +15,7 @@ from test_faults import cli, fails, tree, kept
 
 BIN = Path(sys.executable).parent
 TRAIN = ['--num-layers', '1', '--num-anchors', '8', '--token-budget', '512', '--lr', '3e-3', '--log-every', '1', '--no-final-eval',
-         '--no-progress', '--warmup', '0', '--val-data', 'none']
+         '--no-progress', '--warmup', '0', '--val-data', 'none', '--no-servable']   # taps 1, 3 of 4 layers: llama.cpp's limit
 
 
 @pytest.fixture(scope='module')

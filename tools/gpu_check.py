@@ -16,6 +16,9 @@ Checks, each recorded as passed, failed (with the error) or skipped (with why):
              survives with every sample extracted.
 5. online:   the 1+1 online pipeline on one GPU (the two ranks share it through gloo); with 2+ GPUs the NCCL pipeline and
              DDP with 2 drafter ranks (skipped, with a message, on one GPU).
+6. tree:     DDTree verification (`spec_decode(tree_budget=N)`) on the device, fp32: a random-weight Qwen3 (the flattened tree under a
+             4-D additive mask through SDPA) and the embedded Qwen3.5 hybrid (one row per root-to-leaf path): greedy outputs equal
+             the target's own at budgets 16 and 64; then a tree verify's cost against a chain verify and a plain decode.
 Writes OUT/gpu-check.json and OUT/gpu-check.md; exits 1 if any check failed.
 """
 import argparse, json, os, platform, sys, tempfile, time, traceback
@@ -195,11 +198,34 @@ def check_online(a, torch, dev, tok, tmp):
     return out
 
 
+def check_tree(a, torch, dev, tok):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from dflash.core import TINY_TARGET
+    from dflash.evaluate import greedy_decode, load_prompts, spec_decode, tree_verify_cost, DFlashDrafter
+    from dflash.model import DFlashDraftModel, drafter_config
+    torch.manual_seed(0)
+    qc = AutoConfig.for_model('qwen3', vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+    targets = dict(qwen3=AutoModelForCausalLM.from_config(qc).to(dev).eval(),
+                   hybrid=AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).to(dev).eval())
+    prompt, out = load_prompts(tok, n=1)[0], {}
+    for name, t in targets.items():
+        d = DFlashDraftModel(drafter_config(t.config, 1, 16, tok.mask_token_id, [1, 2])).to(dev).attach_target(t).eval()
+        want = greedy_decode(t, prompt, 32)
+        for n in (16, 64):
+            got, steps = spec_decode(t, DFlashDrafter(d), prompt, 32, block_size=16, tree_budget=n)
+            assert got == want, f'{name}: tree {n} parts from the greedy output at {next(i for i, (x, y) in enumerate(zip(got, want)) if x != y)}'
+            out[f'{name} tree {n} tau'] = sum(x + 1 for x, _ in steps) / len(steps)
+        c = tree_verify_cost(t, prompt, (4, 16, 64), 16, reps=5)
+        out[f'{name} ms decode/chain/tree 4/16/64'] = '/'.join(f'{x * 1e3:.2f}' for x in (c['decode_s'], c['chain_s'], *c['tree_s'].values()))
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--cpu', action='store_true', help='the reduced form, on the CPU')
     p.add_argument('--out', default=str(ROOT / 'runs' / 'gpu-check'))
-    p.add_argument('--only', default='flex,step,extract,budget,online')
+    p.add_argument('--only', default='flex,step,extract,budget,online,tree')
     a = p.parse_args(argv)
     import torch
     from transformers import AutoTokenizer
@@ -209,7 +235,7 @@ def main(argv=None):
     tok, tmp = AutoTokenizer.from_pretrained(TINY_TARGET), Path(tempfile.mkdtemp(prefix='gpu-check-'))
     checks = dict(flex=lambda: check_flex(a, torch, dev), step=lambda: check_step(a, torch, dev),
                   extract=lambda: check_extract(a, torch, dev, tok, tmp), budget=lambda: check_budget(a, torch, dev, tok, tmp),
-                  online=lambda: check_online(a, torch, dev, tok, tmp))
+                  online=lambda: check_online(a, torch, dev, tok, tmp), tree=lambda: check_tree(a, torch, dev, tok))
     report = dict(machine=dict(gpu=torch.cuda.get_device_name() if not a.cpu else None, torch=torch.__version__, python=platform.python_version(),
                                cpus=os.cpu_count(), mode='cpu (reduced)' if a.cpu else 'gpu'), checks={})
     for name in a.only.split(','):

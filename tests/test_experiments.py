@@ -49,6 +49,11 @@ def fake_run(d):
     (vx / 'manifest.json').write_text(json.dumps(dict(num_samples=4)))
     (vx / 'config.json').write_text(json.dumps(dict(job='ExtractConfig', config=dict(data=str(d / 'gone.jsonl')))))
 
+def fake_drafter(d):
+    "A drafter checkpoint as far as the engine and tree experiments read it before any model loads: its config, block 8."
+    (d / 'drafter').mkdir()
+    (d / 'drafter' / 'config.json').write_text(json.dumps(dict(architectures=['DFlashDraftModel'], block_size=8)))
+
 
 # Issue 31's cases 8 and 19: (notebook, its -p pairs, what it must say, what the case needs in its folder first)
 BAD = {
@@ -65,7 +70,13 @@ BAD = {
     'warm_start-steps-0': ('warm_start', ['steps', 0, 'out', 'out'], ['steps=0: must be >= 1'], None),
     'heldout_vs_loop-val_extracted-source-gone': ('heldout_vs_loop', ['run', 'run', 'out', 'out'],
                                                   ['data: the run run names no validation file', 'whose source file is unknown or gone', 'give data='],
-                                                  fake_run)}
+                                                  fake_run),
+    'engine_sweep-n_max-above-the-block': ('engine_sweep', ['drafter', 'drafter', 'n_max', '1,9', 'out', 'out'],
+                                           ['n_max: [9] not in 1..7 (the drafter drafts at most block - 1)'], fake_drafter),
+    'engine_sweep-outtype': ('engine_sweep', ['drafter', 'drafter', 'outtypes', 'f16,q4', 'out', 'out'], ["outtypes: ['q4'] not in"], fake_drafter),
+    'tree_budget-budget-0': ('tree_budget', ['drafter', 'drafter', 'budgets', '0,4', 'out', 'out'], ["budgets: ['0'] are not node counts >= 1"],
+                             fake_drafter),
+    'tree_budget-no-drafter': ('tree_budget', ['out', 'out'], ['drafter: None is not a drafter checkpoint'], None)}
 
 @pytest.fixture(scope='module')
 def refused(tmp_path_factory):

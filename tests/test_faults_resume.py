@@ -385,7 +385,7 @@ def test_validation_misuse_is_refused(w, tmp_path):
 
 def test_a_block_longer_than_every_sample_is_refused(w, tmp_path):
     "Case 15: a block of 1000 on samples of at most a few hundred tokens: refused, naming the longest sample."
-    fails(train_cli, '--target', w / 'target', '--extracted', w / 'x', '--out', tmp_path / 'run', '--block-size', '1000', '--no-final-eval',
+    fails(train_cli, '--target', w / 'target', '--extracted', w / 'x', '--out', tmp_path / 'run', '--block-size', '1000', '--no-final-eval', '--no-servable',
           msg='block_size=1000: the longest training sample has')
     assert not (tmp_path / 'run' / 'checkpoints').exists()
 

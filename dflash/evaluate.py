@@ -4,13 +4,12 @@
 
 # %% auto #0
 __all__ = ['load_prompts', 'eos_ids', 'greedy_decode', 'sample_decode', 'ngram_propose', 'NgramDrafter', 'DFlashDrafter',
-           'finite_weights', 'load_drafter', 'spec_decode', 'Verified', 'verify_tree', 'greedy_reference',
-           'evaluate_many', 'evaluate', 'step_costs', 'tree_verify_cost', 'plot_results', 'TauProbe', 'EvalConfig',
-           'tau_table', 'evaluate_job', 'evaluate_cli']
+           'finite_weights', 'load_drafter', 'spec_decode', 'greedy_reference', 'evaluate_many', 'evaluate',
+           'plot_results', 'TauProbe', 'EvalConfig', 'tau_table', 'evaluate_job', 'evaluate_cli']
 
 # %% ../nbs/evaluate.ipynb #f0d0c76d
-import time, warnings
-from contextlib import contextmanager, nullcontext
+import warnings
+from contextlib import nullcontext
 from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +22,10 @@ from .data import BadRow, DataError, load_conversations, prompt_of
 from .model import DFlashDraftModel
 from .dflash2 import drafter_class
 from .publish import check_drafter
-from .cache import _ids, croppable, crop, snapshot, restore, recurrent_mixers, rollback
+from .cache import _ids, recurrent_mixers
 from .sampling import sampling_probs, Sampling, _draw, speculative_sample
-from .tree import Tree, build_tree, grow_tree, tree_inputs, follow, leaf_paths, tree_sample
+from .tree import grow_tree, tree_sample
+from .verify import _clock, _eval_mode, _chain_step, _tree_step
 
 # %% ../nbs/evaluate.ipynb #f8aaecc3
 def load_prompts(tok, path=HELDOUT_DATA, n=8):
@@ -124,28 +124,6 @@ def load_drafter(path, target):
     return model.to(device=target.device, dtype=target.dtype).attach_target(target).eval()
 
 # %% ../nbs/evaluate.ipynb #edfc8dfc
-def _proposal(drafter, tokens, taps, k, warp, generator):
-    "`(draft, q)`: greedy, the drafter's tokens; sampled, its `propose_sampled` when it has one, else its tokens as point masses (q None)."
-    if warp is not None and hasattr(drafter, 'propose_sampled'): return drafter.propose_sampled(tokens, taps, k, warp, generator)
-    return list(drafter.propose(tokens, taps, k))[:k], None
-
-def _chain_step(target, drafter, cache, tokens, taps, k, warp, generator, rule, hs, read_taps):
-    """One chain step: draft up to `k` tokens, verify them in one forward, roll the cache back past the rejected ones. Returns (the
-    accepted drafted tokens, the target's own next token, how many were drafted, the taps of the committed block positions)."""
-    draft, q = _proposal(drafter, tokens, taps, k, warp, generator)
-    snap = snapshot(cache) if draft and not croppable(cache) else cache.get_seq_length()
-    block = [tokens[-1]] + draft
-    o = target(_ids(block, target.device), cache=cache, use_cache=True, output_hidden_states=hs)
-    if warp: acc, nxt = rule(draft, q, warp(o.logits[0]), generator)
-    else:
-        greedy = o.logits[0].argmax(-1).tolist()
-        acc = 0
-        while acc < len(draft) and draft[acc] == greedy[acc]: acc += 1
-        nxt = greedy[acc]
-    new_taps = read_taps()[:, :acc + 1] if read_taps else None      # before a rollback may run the target again
-    if acc < len(draft): rollback(target, cache, snap, block[:acc + 1], o.hidden_states)
-    return draft[:acc], nxt, len(draft), new_taps
-
 @torch.no_grad()
 def spec_decode(target, drafter, prompt, max_new_tokens=64, eos_token_id=None, block_size=16, temperature=0.0, top_p=1.0, top_k=0,
                 generator=None, rule=None, tree_budget=0):
@@ -172,93 +150,7 @@ def spec_decode(target, drafter, prompt, max_new_tokens=64, eos_token_id=None, b
             tokens += new; steps.append((len(new) - 1, drafted))   # drafts accepted past an EOS commit nothing
     return tokens[P:], steps
 
-# %% ../nbs/evaluate.ipynb #75cf3027
-@dataclass
-class Verified:
-    """The target's forward over a draft tree (`verify_tree`): its output `out`, and where each flattened node sits in it (`rows`,
-    `cols` [N+1]: batch row and sequence column). `snap`: None after a flattened forward, else the cache's state before it."""
-    out: object
-    rows: torch.Tensor
-    cols: torch.Tensor
-    tokens: list                  # [N+1] the root's token, then the nodes'
-    start: int                    # the root's position
-    snap: object = None
-    widths: list = None           # each row's length before padding
-
-    @property
-    def logits(self):
-        "The target's logits after every flattened node: [N+1, V]."
-        x = self.out.logits
-        return x[self.rows.to(x.device), self.cols.to(x.device)]
-
-    def along(self, x, path):
-        "The rows of `x` [b, W, ...] (an output of the same forward, e.g. a tap) at `path` (flattened, root first, in order): [len(path), ...]."
-        return x[int(self.rows[path[-1]]), self.cols[path].to(x.device)]   # a row holding the deepest node holds its whole path
-
-    def commit(self, target, cache, accepted):
-        """Leave `cache` holding the positions before the root, the root and the `accepted` nodes (flattened, from the root down), as if
-        only their tokens had been fed: flattened, move their keys and values down behind the root's and crop; rows, keep the row
-        holding the path and `rollback` to the snapshot plus the path's tokens (not needed when the path is the whole unpadded row)."""
-        keep = [0] + list(accepted)
-        if self.snap is None:
-            src = torch.tensor(keep, device=target.device) + self.start
-            for layer in cache.layers:
-                for x in (layer.keys, layer.values): x[..., self.start:self.start + len(keep), :] = x[..., src, :]
-            return crop(cache, self.start + len(keep))
-        r = int(self.rows[keep[-1]])
-        cache.reorder_cache(torch.tensor([r], device=target.device))
-        if len(keep) == self.widths[r] == self.out.logits.shape[1]: return cache
-        hs = self.out.hidden_states
-        return rollback(target, cache, self.snap, [self.tokens[i] for i in keep], hs and tuple(h[r:r + 1] for h in hs))
-
-# %% ../nbs/evaluate.ipynb #8357ddb6
-@torch.no_grad()
-def verify_tree(target, cache, tree, root, hidden_states=False):
-    """One target forward over `tree` under `root`, the token after the `start` positions `cache` holds; returns a `Verified`. A cache
-    that `crop` rolls back (attention layers only) reads the flattened tree under `tree_inputs`' mask; any other (recurrent or sliding
-    layers) reads each root-to-leaf path as a row of a batch, each row from a copy of the cache. `hidden_states`: also return every
-    layer's input (`rollback` replays the recurrent layers from them)."""
-    start, dev, n = cache.get_seq_length(), target.device, len(tree) + 1
-    tokens, kw = [int(root)] + [int(t) for t in tree.tokens], dict(cache=cache, use_cache=True, output_hidden_states=hidden_states)
-    if croppable(cache):
-        ids, pos, mask = tree_inputs(tree, root, start, dev)
-        seen = torch.cat([mask.new_ones(n, start), mask], 1)
-        am = torch.zeros(seen.shape, dtype=target.dtype, device=dev).masked_fill_(~seen, torch.finfo(target.dtype).min)
-        out = target(ids[None], position_ids=pos[None], attention_mask=am[None, None], **kw)
-        return Verified(out, torch.zeros(n, dtype=torch.long), torch.arange(n), tokens, start)
-    paths = leaf_paths(tree)
-    W, rows, cols = max(map(len, paths)), torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
-    for r, p in reversed(list(enumerate(paths))):           # each node: the first row that holds it
-        rows[p], cols[p] = r, torch.arange(len(p))
-    ids = torch.tensor([[tokens[i] for i in p] + [tokens[0]] * (W - len(p)) for p in paths], device=dev)
-    snap = snapshot(cache)
-    cache.reorder_cache(torch.zeros(len(paths), dtype=torch.long, device=dev))   # every row starts from the committed state
-    return Verified(target(ids, **kw), rows, cols, tokens, start, snap, list(map(len, paths)))
-
-# %% ../nbs/evaluate.ipynb #55f3e538
-def _tree_proposal(drafter, tokens, taps, budget, depth, warp):
-    "The drafter's tree (`propose_tree`); a drafter without one proposes its chain (up to `budget` tokens), a tree of one path."
-    if hasattr(drafter, 'propose_tree'): return drafter.propose_tree(tokens, taps, budget, depth, warp)
-    d = [int(t) for t in drafter.propose(tokens, taps, min(depth, budget))][:min(depth, budget)]
-    return Tree(tokens=d, parents=list(range(len(d))), depths=list(range(1, len(d) + 1)), logprobs=[0.0] * len(d))
-
-def _tree_step(target, drafter, cache, tokens, taps, k, warp, generator, rule, hs, read_taps, budget):
-    """One DDTree step: the drafter's tree of `budget` nodes at most `k` deep, one verify forward, the walk (argmax at T = 0, else `rule`),
-    and the cache keeps the accepted path. Returns what `_chain_step` does, with drafted = the tree's nodes."""
-    tree = _tree_proposal(drafter, tokens, taps, budget, k, warp)
-    v = verify_tree(target, cache, tree, tokens[-1], hs)
-    logits = v.logits
-    if warp: accepted, nxt = rule(tree, lambda i: warp(logits[i]), generator)
-    else: accepted, nxt = follow(tree, logits.argmax(-1).tolist().__getitem__)
-    new_taps = v.along(read_taps(), [0] + accepted)[None] if read_taps else None
-    v.commit(target, cache, accepted)
-    return [tree.tokens[j - 1] for j in accepted], nxt, len(tree), new_taps
-
 # %% ../nbs/evaluate.ipynb #45a307fe
-def _clock(dev):
-    if dev.type == 'cuda': torch.cuda.synchronize(dev)
-    return time.perf_counter()
-
 def _eos(target, eos_token_id):
     "`eos_token_id`, or the target's generation config's when None; as a sorted list."
     if eos_token_id is None: eos_token_id = target.generation_config.eos_token_id
@@ -275,15 +167,6 @@ def _as_drafter(drafter):
     if isinstance(drafter, DFlashDraftModel): return DFlashDrafter(drafter)
     if isinstance(drafter, str) and drafter == 'ngram': return NgramDrafter()
     return drafter
-
-@contextmanager
-def _eval_mode(*models):
-    "Eval mode inside the block, each model's own mode after it (the trainer evaluates mid-training)."
-    modes = [(m, m.training) for m in models if isinstance(m, torch.nn.Module)]
-    for m, _ in modes: m.eval()
-    try: yield
-    finally:
-        for m, t in modes: m.train(t)
 
 def _first_mismatch(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
@@ -354,55 +237,6 @@ def evaluate(target, drafter, prompts, max_new_tokens=64, block_size=None, eos_t
     verifies the drafter's DDTree of N nodes per step instead of its chain (`drafted_per_step`: nodes)."""
     return evaluate_many(target, {'drafter': drafter}, prompts, max_new_tokens, block_size, eos_token_id, reference,
                          warmup, strict, progress, temperature, top_p, top_k, seed, tree_budget)['drafter']
-
-# %% ../nbs/evaluate.ipynb #ea308d83
-def _median_time(fn, reps, dev, after=None):
-    "The median seconds of `reps` calls of `fn` after one warm-up, `after` (untimed) run after each."
-    ts = []
-    for _ in range(reps + 1):
-        t0 = _clock(dev); fn(); ts.append(_clock(dev) - t0)
-        if after: after()
-    return sorted(ts[1:])[reps // 2]
-
-@torch.no_grad()
-def step_costs(target, drafter, prompt, reps=10):
-    "Median seconds of one plain decode step, one verify step (a block of B tokens) and one draft step (DFlash2: its walk included), after `prompt`."
-    dev, B, ids = target.device, drafter.block_size, drafter.target_layer_ids
-    cache = DynamicCache(config=target.config)
-    with tap_layers(target, ids, stop=False) as hooked:
-        target(_ids(prompt, dev), cache=cache, use_cache=True, logits_to_keep=1); taps = tapped(hooked, ids)
-    if not croppable(cache): raise ValueError('step_costs needs a target whose cache can be cropped (attention layers only)')
-    dc, P = drafter.new_cache(), len(prompt)
-    drafter.draft(taps.to(drafter.fc.weight.device), torch.tensor([prompt[-1]]), P, dc)
-    time_of = lambda fn: _median_time(fn, reps, dev)
-    def forward(n):
-        target(_ids(prompt[-1:] * n, dev), cache=cache, use_cache=True); crop(cache, P)
-    with _eval_mode(target, drafter):
-        return dict(decode_s=time_of(lambda: forward(1)), verify_s=time_of(lambda: forward(B)),
-                    draft_s=time_of(lambda: drafter.propose(None, torch.tensor([prompt[-1]]), P, dc)), block_size=B)
-
-# %% ../nbs/evaluate.ipynb #d830a09f
-@torch.no_grad()
-def tree_verify_cost(target, prompt, budgets=(1, 4, 16, 64), block_size=16, reps=10, logits=None):
-    """Median seconds, after `prompt`, of one plain decode step, one chain verify of a block of `block_size` (with the rollback after a
-    rejection at its first slot) and one tree verify per budget N (the forward and the commit of the root: `verify_tree`), with the
-    rows each tree's forward read. The trees: `build_tree` of `logits` [block_size - 1, V] (None: every slot's token of rank r at -2 sqrt(r))."""
-    dev, root = target.device, prompt[-1]
-    cache = DynamicCache(config=target.config)
-    target(_ids(prompt[:-1], dev), cache=cache, use_cache=True)
-    base, hs, back = snapshot(cache), bool(recurrent_mixers(target, cache)), lambda: restore(cache, base)
-    if logits is None: logits = (-2 * torch.arange(target.get_output_embeddings().weight.shape[0]).float().sqrt()).expand(block_size - 1, -1)
-    def chain():
-        snap = snapshot(cache) if not croppable(cache) else cache.get_seq_length()
-        o = target(_ids([root] * block_size, dev), cache=cache, use_cache=True, output_hidden_states=hs)
-        rollback(target, cache, snap, [root], o.hidden_states)
-    trees = {N: build_tree(logits, N) for N in budgets}
-    def tree(N): verify_tree(target, cache, trees[N], root, hs).commit(target, cache, [])
-    with _eval_mode(target):
-        return dict(decode_s=_median_time(lambda: target(_ids([root], dev), cache=cache, use_cache=True), reps, dev, back),
-                    chain_s=_median_time(chain, reps, dev, back), block_size=block_size,
-                    tree_s={N: _median_time(partial(tree, N), reps, dev, back) for N in budgets},
-                    rows={N: 1 if croppable(cache) else len(leaf_paths(trees[N])) for N in budgets})
 
 # %% ../nbs/evaluate.ipynb #3c6d21d9
 def plot_results(res, path=None):

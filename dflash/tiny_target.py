@@ -4,14 +4,15 @@
 
 # %% auto #0
 __all__ = ['SPECIAL', 'CHATML', 'ROLES', 'TARGET_DIR', 'chatml', 'train_tokenizer', 'corpus_texts', 'target_config',
-           'encode_corpus', 'lm_batches', 'heldout_loss', 'train_target', 'save_target', 'plot_train_log']
+           'random_qwen3', 'random_hybrid', 'encode_corpus', 'lm_batches', 'heldout_loss', 'train_target',
+           'save_target', 'plot_train_log']
 
 # %% ../nbs/tiny_target.ipynb #2c8c2c85
 import json, math, random, time
 from pathlib import Path
 import torch
 from tokenizers import Tokenizer, models, trainers, pre_tokenizers, decoders, processors
-from transformers import PreTrainedTokenizerFast, AutoTokenizer, AutoModelForCausalLM, Qwen3_5TextConfig
+from transformers import PreTrainedTokenizerFast, AutoTokenizer, AutoModelForCausalLM, Qwen3Config, Qwen3_5TextConfig
 from .synth import DATA, split_path
 
 # %% ../nbs/tiny_target.ipynb #e0bdedb1
@@ -54,6 +55,19 @@ def target_config(tok, hidden=256, layers=8, **kw):
                              mrope_section=[half - 2 * (half // 3), half // 3, half // 3]),
         max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw)
+
+# %% ../nbs/tiny_target.ipynb #72e23620
+def random_qwen3(vocab, seed=0, **kw):
+    "A tiny Qwen3 (4 attention layers of hidden 64) for a vocabulary of `vocab`, random weights from `seed`; `kw` overrides its config."
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.1)
+    return AutoModelForCausalLM.from_config(Qwen3Config(**(cfg | kw))).eval()
+
+def random_hybrid(tok, seed=0, hidden=64, layers=4, **kw):
+    "The hybrid of `target_config` for `tok` at `hidden` and `layers`, random weights from `seed`; `kw` overrides its config."
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(target_config(tok, hidden, layers, **(dict(initializer_range=0.1) | kw))).eval()
 
 # %% ../nbs/tiny_target.ipynb #c2acaa96
 def encode_corpus(tok, split='train'):

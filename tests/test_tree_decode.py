@@ -12,7 +12,8 @@ from dflash.sampling import Sampling
 from dflash.tree import build_tree, follow, grow_tree, leaf_paths
 import dflash.evaluate as E
 from dflash.evaluate import (DFlashDrafter, evaluate, evaluate_many, evaluate_cli, greedy_decode, greedy_reference, load_prompts,
-                             sample_decode, spec_decode, tree_verify_cost, verify_tree, EvalConfig)
+                             sample_decode, spec_decode, EvalConfig)
+from dflash.verify import tree_verify_cost, verify_tree
 from test_evaluate import ALPHA, N, NEW, PROMPT, WARP, WIDE, Oracle, chi2_pvalue, continuations, fresh, small, wide   # noqa: F401 (small: a fixture)
 
 

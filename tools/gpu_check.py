@@ -201,7 +201,8 @@ def check_online(a, torch, dev, tok, tmp):
 def check_tree(a, torch, dev, tok):
     from transformers import AutoConfig, AutoModelForCausalLM
     from dflash.core import TINY_TARGET
-    from dflash.evaluate import greedy_decode, load_prompts, spec_decode, tree_verify_cost, DFlashDrafter
+    from dflash.evaluate import greedy_decode, load_prompts, spec_decode, DFlashDrafter
+    from dflash.verify import tree_verify_cost
     from dflash.model import DFlashDraftModel, drafter_config
     torch.manual_seed(0)
     qc = AutoConfig.for_model('qwen3', vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,

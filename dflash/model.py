@@ -17,7 +17,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 from .taps import default_layer_ids
 from .blocks import _flex, _has_flex, pad_anchors, sample_anchors, block_mask, anchor_chunks, flex_block_mask
-from .loss import _softcap, block_labels, DFlashOutput, _head_ce, _loss_weights
+from .loss import _softcap, block_labels, DFlashOutput, _head_ce, _loss_weights, _scored_head, head_terms, along_blocks, term_loss, parse_terms, needs_target
 
 # %% ../nbs/model.ipynb #6bd87dcf
 SLIDING, FULL = 'sliding_attention', 'full_attention'
@@ -204,6 +204,7 @@ class DFlashDraftModel(PreTrainedModel):
     block_size = property(lambda self: self.config.block_size)
     mask_token_id = property(lambda self: self.config.mask_token_id)
     target_layer_ids = property(lambda self: self.config.target_layer_ids)
+    draft_len = property(lambda self: self.block_size - 1, doc='Tokens drafted per block: slots 1..B-1 (slot 0 holds the last committed token).')
 
     @property
     def logit_transform(self):
@@ -274,38 +275,59 @@ def _block_states(self, hidden_states, input_ids, loss_mask, anchors=None, ancho
     h = self.norm(h).view(b, A, B, -1)[:, :, 1:]                         # slots 1..B-1
     return h, block_labels(input_ids, loss_mask, anchors, anchor_valid, B), anchors, anchor_valid
 
+# %% ../nbs/model.ipynb #5c4222ad
+def _head_loss(self, hk, lk, labels, keep, anchors, final_hidden=None, terms=None, chunk=4096, vocab=None, loss='decay', gamma=None,
+               dpace_alpha=0.5, topk=0):
+    """The head's part of the loss over the labelled rows `hk`, `lk`: `(weighted sum, denominator, row weights, CE, hits, top, info)`.
+    `terms` (a `parse_terms` spec, None: CE): CE alone runs through `HeadCE`; any other mix through `head_terms`, the target's
+    distribution read from `final_hidden` [b, S, H] along the blocks. `info`: each term's weighted mean and, when the target's
+    distribution is known, `accept_prob` = 1 - TV of each row."""
+    weights = {'ce': 1.0} if terms is None else parse_terms(terms) if isinstance(terms, str) else dict(terms)
+    if weights == {'ce': 1.0}:
+        ce, hit, top = _head_ce(self, hk, lk, chunk, vocab, topk)
+        w, norm = _loss_weights(labels, ce, loss, gamma, dpace_alpha)
+        return (w * ce).sum(), norm, w, ce, hit, top, {}
+    if final_hidden is None and needs_target(weights):
+        raise ValueError(f"loss terms {weights} need the target's distribution: train from an extraction with its final hidden states "
+                         "(final_hidden=True), or online, where the target ranks send them")
+    teacher = None if final_hidden is None else along_blocks(final_hidden, anchors, keep)
+    names = ('ce',) + tuple(n for n in weights if n != 'ce') + (('tv',) if teacher is not None and 'tv' not in weights else ())
+    (mult, cap), (W, b, y, ids) = self.logit_transform, _scored_head(self, lk, vocab)
+    t, hit, top = head_terms(hk, W, b, y, teacher, names, chunk, mult, cap, topk=min(topk, len(W)))
+    if top is not None and ids is not None: top = (top[0], ids[top[1]])
+    w, norm = _loss_weights(labels, t[:, 0], loss, gamma, dpace_alpha)
+    info = dict(terms={n: (w * t[:, i]).sum().detach() / norm for i, n in enumerate(names) if n in weights})
+    if teacher is not None: info['accept_prob'] = 1 - t[:, names.index('tv')].detach()
+    return term_loss(t, names, weights, w), norm, w, t[:, 0], hit, top, info
+
 def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_valid=None, num_anchors=512,
              generator=None, gamma=None, attn_impl=None, chunk=4096, return_logits=False, attn_chunk=64, vocab=None,
-             loss='decay', dpace_alpha=0.5, selector_alpha=1.0):
+             loss='decay', dpace_alpha=0.5, selector_alpha=1.0, final_hidden=None, terms=None):
     """Training forward: every block of every sequence at once; returns a `DFlashOutput`. `vocab`: score only these head rows (and
-    the labels'). `loss`: 'decay' (`gamma`) or 'dpace' (`dpace_alpha`); `selector_alpha`: DFlash2's selector term (ignored by DFlash)."""
+    the labels'). `loss`: the slots' weights, 'decay' (`gamma`) or 'dpace' (`dpace_alpha`); `terms`: what each slot is scored by
+    (`parse_terms`; None: CE), with the target's `final_hidden` states for a distribution term; `selector_alpha`: DFlash2's selector term."""
     if loss not in ('decay', 'dpace'): raise ValueError(f"loss={loss!r}: 'decay' or 'dpace'")
     h, labels, anchors, anchor_valid = _block_states(self, hidden_states, input_ids, loss_mask, anchors, anchor_valid, num_anchors,
                                                      generator, attn_impl, attn_chunk)
     keep = labels != -100
     hk, lk, dev = h[keep], labels[keep], h.device
     hits, extra = torch.zeros(labels.shape, dtype=torch.bool, device=dev), {}
+    slot = lambda x: torch.zeros(labels.shape, device=dev).masked_scatter(keep, x.float())
     if len(lk):
-        ce, hit, top = _head_ce(self, hk, lk, chunk, vocab, self._selector_k)
-        w, norm = _loss_weights(labels, ce, loss, gamma, dpace_alpha)
-        total = (w * ce).sum()
+        total, norm, w, ce, hit, top, info = _head_loss(self, hk, lk, labels, keep, anchors, final_hidden, terms, chunk, vocab, loss,
+                                                        gamma, dpace_alpha, self._selector_k)
         if top is None: hits[keep] = hit
         else:                                                            # DFlash2: the selector's term, counts and hits
-            sel_ce, has, sel_hit = self.selector_rows(hk, _predecessors(input_ids, anchors, keep), top, lk)
+            sel_ce, has, sel_hit = self.selector_rows(hk, along_blocks(input_ids, anchors, keep), top, lk)
             sel = (w[has] * sel_ce).sum()
             total, hits[keep] = total + selector_alpha * sel, sel_hit
-            slot = lambda x: torch.zeros(labels.shape, device=dev).masked_scatter(keep, x.float()).sum((0, 1))
-            extra = dict(candidate_hits=slot(has), unary_correct=slot(hit), selector_loss=sel.detach() / norm)
-        loss_v = total / norm
+            extra = dict(candidate_hits=slot(has).sum((0, 1)), unary_correct=slot(hit).sum((0, 1)), selector_loss=sel.detach() / norm)
+        if 'accept_prob' in info: extra['accept_prob'] = slot(info['accept_prob'])
+        loss_v, extra['terms'] = total / norm, info.get('terms')
     else: loss_v, norm = h.sum() * 0, h.new_zeros(())                   # no labels: a zero that still reaches every parameter
     correct, count = hits.float().sum((0, 1)), keep.sum((0, 1))
     return DFlashOutput(loss=loss_v, acc=_acc(correct, count), correct=correct, count=count, weight=norm, anchors=anchors,
                         labels=labels, hits=hits, logits=self.logits(h) if return_logits else None, **extra)
-
-def _predecessors(input_ids, anchors, keep):
-    "The true token before each labelled slot (for slot 1, the anchor's own token), in the order of `labels[keep]`."
-    pos = (anchors[..., None] + torch.arange(keep.shape[-1], device=anchors.device)).clamp(max=input_ids.shape[1] - 1)
-    return input_ids.gather(1, pos.flatten(1)).view(keep.shape)[keep]
 
 DFlashDraftModel.forward = _forward
 
@@ -357,7 +379,6 @@ class DraftCache:
                 raise ValueError(f'layer {i} (window {self.windows[i]}) keeps positions from {f} on: cannot rewind to {n}')
         self.k, self.v = [k[:, :, :n - f] for k, f in zip(self.k, self.first)], [v[:, :, :n - f] for v, f in zip(self.v, self.first)]
         return self
-
 
 # %% ../nbs/model.ipynb #cce9ebde
 @torch.no_grad()

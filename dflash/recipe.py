@@ -20,6 +20,7 @@ from .publish import mask_token_choice
 from .taps import text_config, load_target_config, target_name, target_revision, config_sha256
 from .model import DFlashConfig, DFlashDraftModel, drafter_config
 from .dflash2 import DFlash2DraftModel, drafter_class
+from .loss import parse_terms, needs_target
 from .track import check_trackers, report_to_param
 from .validate import tree_budgets, check_best_by
 
@@ -92,6 +93,10 @@ class TrainConfig(Job):
                                needs=(lambda c: c.loss == 'dpace', "loss='dpace'"))
     selector_alpha: float = param(1.0, "DFlash2: the weight of the selector's cross-entropy in the loss", min=0,
                                   needs=(lambda c: c.arch == 'dflash2', "arch='dflash2'"))
+    loss_terms: str = param('ce', "what each drafted slot is scored by: ce (its label), or against the target's own distribution kl "
+                            "(KL(p_t||p_d)), tv (total variation: 1 - the slot's expected acceptance), l1 (2 tv), lk (kl while far, tv once "
+                            "close), or a weighted sum, e.g. ce:0.1,l1:0.9; a distribution term needs the target's final hidden states "
+                            "(an extraction with final_hidden, or online training, where the target ranks send them)")
     optimizer: str = param('adamw', "adamw, or muon: Muon for the layers' 2-D weights and fc (lr matched to AdamW's update size), AdamW for the rest",
                            choices=('adamw', 'muon'))
     train_vocab: int | None = param(None, "the loss scores only the K most frequent label tokens of the training data (and each batch's "
@@ -160,6 +165,7 @@ class TrainConfig(Job):
     def validates(self): return self.val_extracted is not None or self.val_data not in (None, 'none')
 
     def check(self):
+        parse_terms(self.loss_terms)
         if isinstance(self.targets, str) and self.targets != 'auto': raise ValueError(f"targets={self.targets!r}: must be a number of ranks or 'auto'")
         if self.targets == 'auto' and self.ranks is None: self.set('ranks', torch.cuda.device_count() or 3, 'the GPUs, or 3 on a CPU')
         if self.target is None: self.set('target', str(TINY_TARGET), 'the embedded target')

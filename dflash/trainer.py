@@ -132,7 +132,8 @@ def _micro_step(self, item, last):
     with (self.ddp.no_sync() if self.ddp is not None and not last else nullcontext()), self.autocast:
         o = net(item['hidden_states'], item['input_ids'], item['loss_mask'], num_anchors=self.cfg.num_anchors,
                 generator=anchor_generator(self.cfg.seed, self.d, item['p']), vocab=vocab,
-                loss=self.cfg.loss, dpace_alpha=self.cfg.dpace_alpha, selector_alpha=self.cfg.selector_alpha)
+                loss=self.cfg.loss, dpace_alpha=self.cfg.dpace_alpha, selector_alpha=self.cfg.selector_alpha,
+                final_hidden=item.get('final_hidden'), terms=self.cfg.loss_terms)
     (o.loss / self.cfg.grad_accum).backward()
     return o
 
@@ -213,7 +214,7 @@ def _run(self, source, stop_flag=lambda: False, evaluate_tau=None, validate=None
                                                      changed={k: list(v) for k, v in self.changed.items()}, dropped=n, time=time.time()))
         print(f'resumed from {self.resumed_from} at step {self.step}' + (f'; {n} metrics lines of the steps after it, which this run '
               f'measures again, moved to metrics.after-{self.step}.jsonl' if n else ''), flush=True)
-    meter, tstat_last, stopped = Meter(cfg.block_size, self.device), {}, None
+    meter, tstat_last, stopped = Meter(self.model.draft_len + 1, self.device), {}, None
     meter.reset(source.wait_s)
     while self.step < total:
         samples = []

@@ -162,10 +162,10 @@ def _final_states(drafter):
     finally: handle.remove()
 
 def _labelled_top(drafter, seen, out, valid, k):
-    "`slot_top` of the slots 1..B-1 of the forward's blocks that have a label, from the final states it left in `seen`."
+    "`slot_top` of the drafted slots (the last `draft_len` of each block) of the forward's blocks that have a label, from the final states it left in `seen`."
     if len(seen) != 1: raise RuntimeError(f"the drafter's final norm ran {len(seen)} times in one forward: the tree reading takes its one output as the slots' states")
     ok = valid.bool().to(out.labels.device) & (out.labels[..., 0] != -100)
-    h = seen.pop().view(*ok.shape, drafter.block_size, -1)[:, :, 1:][ok]
+    h = seen.pop().view(*ok.shape, drafter.block_size, -1)[:, :, drafter.block_size - drafter.draft_len:][ok]
     return slot_top(drafter, h, k)
 
 @torch.no_grad()
@@ -175,7 +175,7 @@ def heldout_acceptance(drafter, xds, token_budget=8192, anchors=None, max_sample
     forward. Returns `Acceptance.result()`."""
     xds = ExtractedDataset(xds) if not isinstance(xds, ExtractedDataset) else xds
     dev, n = drafter.fc.weight.device, len(xds) if max_samples is None else min(max_samples, len(xds))
-    acc, was = Acceptance(drafter.block_size, max_new_tokens, tree_budgets), drafter.training
+    acc, was = Acceptance(drafter.draft_len + 1, max_new_tokens, tree_budgets), drafter.training   # a verify block: the last token and the drafts
     drafter.eval()
     try:
         with (_final_states(drafter) if acc.budgets else nullcontext()) as seen:
@@ -184,7 +184,7 @@ def heldout_acceptance(drafter, xds, token_budget=8192, anchors=None, max_sample
                 hs, ids, lm = collate(torch.cat([r['hidden_states'] for r in rows]), torch.cat([r['input_ids'] for r in rows]),
                                       torch.cat([r['loss_mask'] for r in rows]), [len(r['input_ids']) for r in rows])
                 a, valid = sample_anchors(lm, anchors or ids.shape[1], anchor_generator(seed, 0, j))
-                out = drafter(hs.to(dev), ids.to(dev), lm.to(dev), anchors=a.to(dev), anchor_valid=valid.to(dev), chunk=1024)
+                out = drafter(hs.to(dev), ids.to(dev), lm.to(dev), anchors=a.to(dev), anchor_valid=valid.to(dev), chunk=1024, terms='ce')
                 t0, top = time.perf_counter(), _labelled_top(drafter, seen, out, valid, acc.budgets[-1]) if acc.budgets else None
                 acc.tree_s += time.perf_counter() - t0
                 acc.add(out, valid, every=anchors is None, top=top)

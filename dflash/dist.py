@@ -112,35 +112,44 @@ def thread_groups(n, timeout_s=30):
 
 # %% ../nbs/dist.ipynb #4933f377
 _WIRE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-HEADER = 6   # micro index, batch size, max length, real tokens, features, dtype code
+HEADER = 7   # micro index, batch size, max length, real tokens, features, dtype code, final-state features (0: none)
 
 def wire_device(pg, device):
     "Where tensors cross `pg`: the GPU itself over NCCL, the host over gloo (CPU ranks, or ranks sharing one GPU)."
     return torch.device('cpu') if pg.name() == 'gloo' else torch.device(device)
 
-def send_batch(pg, hs_rows, input_ids, loss_mask, lengths, p, dst):
-    "Post the sends of one batch to rank `dst` of process group `pg`; returns the works and the tensors to keep alive until they complete."
+def send_batch(pg, hs_rows, input_ids, loss_mask, lengths, p, dst, final_rows=None):
+    """Post the sends of one batch to rank `dst` of process group `pg` (with the target's final states `final_rows [T, H]`, the same dtype,
+    when given); returns the works and the tensors to keep alive until they complete."""
     b, S, dev = len(lengths), int(max(lengths)), wire_device(pg, hs_rows.device)
-    head = torch.tensor([p, b, S, hs_rows.shape[0], hs_rows.shape[1], _WIRE_DTYPES.index(hs_rows.dtype)], dtype=torch.long)
+    if final_rows is not None and (final_rows.dtype != hs_rows.dtype or len(final_rows) != len(hs_rows)):
+        raise ValueError(f'final states {final_rows.dtype} x {len(final_rows)} rows, hidden states {hs_rows.dtype} x {len(hs_rows)}')
+    Hf = 0 if final_rows is None else final_rows.shape[1]
+    head = torch.tensor([p, b, S, hs_rows.shape[0], hs_rows.shape[1], _WIRE_DTYPES.index(hs_rows.dtype), Hf], dtype=torch.long)
     ints = torch.zeros(3, b, S, dtype=torch.long)
     real = torch.arange(S)[None] < torch.as_tensor(lengths)[:, None]
     ints[0][real] = torch.as_tensor(input_ids).long(); ints[1][real] = torch.as_tensor(loss_mask).long()
     ints[2, :, 0] = torch.as_tensor(lengths)
-    ts = [head.to(dev), ints.to(dev), hs_rows.contiguous().to(dev)]
+    ts = [head.to(dev), ints.to(dev), hs_rows.contiguous().to(dev)] + ([final_rows.contiguous().to(dev)] if Hf else [])
     return [pg.send([t], dst, 0) for t in ts], ts
 
 def recv_batch(pg, src, device):
-    "Receive one batch from rank `src` of `pg`: `(p, hidden_states [b, S, F], input_ids, loss_mask, lengths)` on `device`."
+    """Receive one batch from rank `src` of `pg`: `(p, hidden_states [b, S, F], input_ids, loss_mask, lengths, final_hidden)` on
+    `device`, `final_hidden` `[b, S, H]` when the target sent its final states, else None."""
     w = wire_device(pg, device)
     head = torch.empty(HEADER, dtype=torch.long, device=w); pg.recv([head], src, 0).wait()
-    p, b, S, n, F, dt = head.tolist()
+    p, b, S, n, F, dt, Hf = head.tolist()
     ints = torch.empty(3, b, S, dtype=torch.long, device=w); pg.recv([ints], src, 0).wait()
     rows = torch.empty(n, F, dtype=_WIRE_DTYPES[dt], device=w); pg.recv([rows], src, 0).wait()
-    ints, rows = ints.to(device, non_blocking=True), rows.to(device, non_blocking=True)
+    fin = None
+    if Hf: fin = torch.empty(n, Hf, dtype=_WIRE_DTYPES[dt], device=w); pg.recv([fin], src, 0).wait()
+    ints = ints.to(device, non_blocking=True)
     lengths = ints[2, :, 0].cpu()
     real = torch.arange(S, device=device)[None] < lengths.to(device)[:, None]
-    hs = rows.new_zeros(b, S, F); hs[real] = rows
-    return p, hs, ints[0], ints[1], lengths
+    def padded(x):
+        x = x.to(device, non_blocking=True); out = x.new_zeros(b, S, x.shape[1]); out[real] = x
+        return out
+    return p, padded(rows), ints[0], ints[1], lengths, None if fin is None else padded(fin)
 
 # %% ../nbs/dist.ipynb #6a690465
 def link(t, d):
@@ -153,12 +162,12 @@ class HSSender:
         self.coord, self.t, self.dst, self.depth, self.pg, self.key = coord, t, dst, depth, pg, link(t, d)
         self.sent, self.wait_s, self.pending = 0, 0.0, deque()
 
-    def send(self, hs_rows, input_ids, loss_mask, lengths, p):
-        "Wait for a credit, then post the sends of micro-batch `p`. False if the job is stopping."
+    def send(self, hs_rows, input_ids, loss_mask, lengths, p, final_rows=None):
+        "Wait for a credit, then post the sends of micro-batch `p` (with the target's final states `final_rows`). False if the job is stopping."
         c, k = self.coord, self.key
         self.wait_s += c.wait_until(lambda: self.sent - c.count(f'credit/{k}') < self.depth or c.stopping())
         if c.stopping(): return False
-        self.pending.append(send_batch(self.pg, hs_rows, input_ids, loss_mask, lengths, p, self.dst))
+        self.pending.append(send_batch(self.pg, hs_rows, input_ids, loss_mask, lengths, p, self.dst, final_rows))
         self.sent += 1; c.add(f'sent/{k}')
         while self.pending and all(w.is_completed() for w in self.pending[0][0]): self.pending.popleft()
         return True
@@ -184,10 +193,11 @@ class OnlineSource(Feeder):
             t = self.srcs[p % len(self.srcs)]; k = link(t, self.d)
             c.wait_until(lambda: c.count(f'sent/{k}') > got[t] or c.stopping())
             if c.stopping() and c.count(f'sent/{k}') <= got[t]: return
-            q, hs, ids, lm, lengths = recv_batch(self.pg, t, self.device)
+            q, hs, ids, lm, lengths, fin = recv_batch(self.pg, t, self.device)
             if q != p: raise RuntimeError(f'drafter {self.d}: expected micro-batch {p} from {c.name(t)}, got {q}')
             got[t] += 1
-            self.put(dict(p=p, hidden_states=hs, input_ids=ids, loss_mask=lm, tokens=int(lengths.sum()), src=t))
+            self.put(dict(p=p, hidden_states=hs, input_ids=ids, loss_mask=lm, tokens=int(lengths.sum()), src=t,
+                          **({} if fin is None else dict(final_hidden=fin))))
 
     def consumed(self, item): self.coord.add(f'credit/{link(item["src"], self.d)}')
 

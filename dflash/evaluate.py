@@ -20,7 +20,7 @@ from .core import TINY_TARGET, HELDOUT_DATA, RUNS, Job, param, target_param, out
 from .taps import tap_layers, tapped, load_target, load_target_config, load_tokenizer, target_name
 from .data import BadRow, DataError, load_conversations, prompt_of
 from .model import DFlashDraftModel
-from .dflash2 import drafter_class
+from .dspark import drafter_class
 from .publish import check_drafter
 from .cache import _ids, recurrent_mixers
 from .sampling import sampling_probs, Sampling, _draw, speculative_sample
@@ -90,7 +90,7 @@ class DFlashDrafter:
     """Wraps a DFlash drafter (`DFlashDraftModel`, `DFlash2DraftModel`: a model with `propose`, `propose_sampled`, `tree_children`), its
     target attached, for the verify loop: greedy, sampled, or a tree."""
     def __init__(self, model):
-        self.model, self.layer_ids, self.block_size = model, model.target_layer_ids, model.block_size
+        self.model, self.layer_ids, self.block_size = model, model.target_layer_ids, model.draft_len + 1   # the verify block: last token + drafts
     def reset(self): self.cache = self.model.new_cache()
     def _inputs(self, tokens, taps):
         dev = self.model.fc.weight.device

@@ -51,8 +51,8 @@ def find_token_budget(fits, lo, hi):
 class Extractor:
     "Runs batches of a TokenizedDataset through `model` with taps on `layer_ids` and queues the real-token rows on `writer`."
     def __init__(self, model, ds, layer_ids, writer=None, token_budget=DEFAULT_TOKEN_BUDGET, store_dtype=None,
-                 mem_limit_tokens=None, report=None, rank=0):
-        self.model, self.ds, self.layer_ids, self.writer, self.rank = model, ds, list(layer_ids), writer, rank
+                 mem_limit_tokens=None, report=None, rank=0, final=False):
+        self.model, self.ds, self.layer_ids, self.writer, self.rank, self.final = model, ds, list(layer_ids), writer, rank, final
         self.budget, self.fp8, self.mem_limit_tokens = token_budget, store_dtype == 'fp8', mem_limit_tokens
         self.store_dtype = None if store_dtype in (None, 'fp8') else parse_dtype(store_dtype)
         self.report = report or (lambda msg: None)
@@ -68,16 +68,24 @@ class Extractor:
         if self.mem_limit_tokens is not None and ids.numel() > self.mem_limit_tokens:
             raise torch.OutOfMemoryError(f'{ids.numel()} padded tokens > mem_limit_tokens={self.mem_limit_tokens} (injected)')
         if self.device.type == 'cuda': ids, mask, index = (t.pin_memory().to(self.device, non_blocking=True) for t in (ids, mask, index))
-        hs = check_finite(capture(self.model, ids, mask, self.layer_ids, index), self.layer_ids, [len(r['input_ids']) for r in rows],
-                          [self.ds.ids[int(i)] for i in batch])
-        scale = None
-        if self.fp8: hs, scale = quantize_fp8(hs)
-        elif self.store_dtype is not None: hs = hs.to(self.store_dtype)
-        hs, ev = to_host(hs)
-        if scale is not None: scale, ev = to_host(scale)   # the later event covers both copies
-        return dict(hidden_states=hs, hidden_scale=scale, event=ev, input_ids=np.concatenate([r['input_ids'] for r in rows]),
-                    loss_mask=np.concatenate([r['loss_mask'] for r in rows]), lengths=np.array([len(r['input_ids']) for r in rows]),
+        got = capture(self.model, ids, mask, self.layer_ids, index, final=self.final)
+        hs, fin = got if self.final else (got, None)
+        lens, names = [len(r['input_ids']) for r in rows], [self.ds.ids[int(i)] for i in batch]
+        out, ev = self._stored(check_finite(hs, self.layer_ids, lens, names), 'hidden_states', 'hidden_scale')
+        if fin is not None:
+            more, ev = self._stored(check_finite(fin, ['final'], lens, names), 'final_hidden', 'final_scale'); out.update(more)
+        return dict(out, event=ev, input_ids=np.concatenate([r['input_ids'] for r in rows]),   # the last event covers every copy
+                    loss_mask=np.concatenate([r['loss_mask'] for r in rows]), lengths=np.array(lens),
                     sample_ids=np.asarray(batch, dtype=np.int64), padded=ids.numel())
+
+    def _stored(self, rows, name, scale_name):
+        "`({name: host rows as stored, scale_name: fp8 scales or None}, event)`: quantized or cast on the device, one copy each to the host."
+        scale = None
+        if self.fp8: rows, scale = quantize_fp8(rows)
+        elif self.store_dtype is not None: rows = rows.to(self.store_dtype)
+        rows, ev = to_host(rows)
+        if scale is not None: scale, ev = to_host(scale)   # the later event covers both copies
+        return {name: rows, scale_name: scale}, ev
 
     def fit(self, batch):
         "`batch` cut into pieces of at most the working budget (it is sorted by length, so the pieces are too)."
@@ -153,7 +161,8 @@ def _run_worker(rank, cfg, batches, report, model=None):
     ds = TokenizedDataset.load(cfg['dataset'])
     meta = dict(layer_ids=json.dumps(cfg['layer_ids']), target=cfg['target_name'], rank=str(rank))
     with ShardWriter(cfg['out'], rank, cfg['shard_bytes'], cfg['write_queue'], meta) as writer:
-        ex = Extractor(model, ds, cfg['layer_ids'], writer, cfg['budget'], cfg['store_dtype'], cfg['mem_limit_tokens'], report, rank)
+        ex = Extractor(model, ds, cfg['layer_ids'], writer, cfg['budget'], cfg['store_dtype'], cfg['mem_limit_tokens'], report, rank,
+                       final=cfg.get('final_hidden', False))
         if cfg['auto'] and device.type == 'cuda':
             ex.budget = ex.probe_budget(); report(dict(kind='budget', rank=rank, budget=ex.budget))
         ex.run(batches)
@@ -224,6 +233,9 @@ class ExtractConfig(Job):
     max_samples: int | None = param(None, 'extract only the first N samples of the dataset; None: all', min=1)
     dtype: str | None = param(None, "the target's dtype: bf16, fp16 or fp32; None: bf16 on GPU, fp32 on CPU", choices=_STORE[:-1])
     store_dtype: str | None = param(None, 'stored dtype: bf16, fp16, fp32, or fp8 (e4m3 with a per-token scale); None: dtype', choices=_STORE)
+    final_hidden: bool = param(False, "also store the target's final state as its head reads it (the final norm's output), final_hidden "
+                               "[T, H], from which training recomputes the target's logits (distribution losses); the forward then runs "
+                               "on to the final norm (never the head)")
     overwrite: bool = param(False, 'start over in an out made with another target, layers, dtype or data (the earlier one is moved to out/previous-*)')
     max_length: int = param(2048, 'tokens per sample, when preparing a ShareGPT file', min=2)
     shard_mb: float = param(256.0, 'shard size in MiB', min=0.001)
@@ -252,7 +264,7 @@ def _header(job, config, ds, dt, store):
     return dict(target=target_name(job.target), target_config_sha256=config_sha256(config), layer_ids=job.layer_ids,
                 dtype='float8_e4m3fn' if store == 'fp8' else store or dtype_name(dt), compute_dtype=dtype_name(dt),
                 dataset_sha256=ds.fingerprint(), tokenizer_sha256=ds.meta.get('tokenizer_sha256'), num_target_layers=tc.num_hidden_layers,
-                hidden_size=tc.hidden_size, dataset=str(ds.path))
+                hidden_size=tc.hidden_size, dataset=str(ds.path), final_hidden=bool(job.final_hidden))
 
 @contextmanager
 def _sigterm_stops():
@@ -294,7 +306,7 @@ def extract(*args, model=None, **kw):
         parts = plan_batches(lengths, budget, job.max_batch_size, done, n_workers)
         todo = [b for p in parts for b in p]
         cfg = dict(out=str(out), target=target_name(job.target), target_name=target_name(job.target), dataset=str(ds.path),
-                   layer_ids=job.layer_ids, compute_dtype=dtype_name(dt), store_dtype=store, budget=budget, auto=auto,
+                   layer_ids=job.layer_ids, compute_dtype=dtype_name(dt), store_dtype=store, budget=budget, auto=auto, final_hidden=job.final_hidden,
                    mem_limit_tokens=job.mem_limit_tokens, shard_bytes=int(job.shard_mb * 2**20), write_queue=job.write_queue,
                    threads=max(1, torch.get_num_threads() // n_workers) if not job.gpus and n_workers > 1 else None)
         tr = Trackers(job.report_to if todo else 'none', out, config=job.to_dict(), resume=not job.overwrite, resume_step=len(done))

@@ -19,7 +19,8 @@ from .shards import ExtractedDataset
 from .publish import mask_token_choice
 from .taps import text_config, load_target_config, target_name, target_revision, config_sha256
 from .model import DFlashConfig, DFlashDraftModel, drafter_config
-from .dflash2 import DFlash2DraftModel, drafter_class
+from .dflash2 import DFlash2DraftModel
+from .dspark import drafter_class, dspark_config, PAPER
 from .loss import parse_terms, needs_target
 from .track import check_trackers, report_to_param
 from .validate import tree_budgets, check_best_by
@@ -66,8 +67,9 @@ class TrainConfig(Job):
                                     "None: all sliding but the last for a hybrid linear-attention target (published: 4 + 1), else all full")
     sliding_window: int | None = param(None, "context tokens a sliding layer reads; None: 2048 (the published Qwen3.6-27B drafter's)", min=1)
     arch: str = param('dflash', "dflash, or dflash2: convolutions around each sublayer and a candidate selector (it starts as an exact copy of a "
-                      "DFlash drafter); on a hybrid target the published Qwen3.8-27B layout: block 8, every layer sliding, is_causal false",
-                      choices=('dflash', 'dflash2'))
+                      "DFlash drafter); on a hybrid target the published Qwen3.8-27B layout: block 8, every layer sliding, is_causal false; or dspark "
+                      "(DeepSeek's DSpark: all B slots draft, a Markov head on the token before, a confidence head; block 7 and the paper's loss)",
+                      choices=('dflash', 'dflash2', 'dspark'))
     is_causal: bool | None = param(None, "every layer causal inside the block (true) or none (false); None: sliding layers causal, full ones not")
     servable: bool | None = param(None, "what llama.cpp cannot serve (a tap on the target's last layer, DFlash2's hidden-size bounds) is "
                                   "refused before training; None: refused (the embedded demo is not checked unless true); false: not "
@@ -93,10 +95,10 @@ class TrainConfig(Job):
                                needs=(lambda c: c.loss == 'dpace', "loss='dpace'"))
     selector_alpha: float = param(1.0, "DFlash2: the weight of the selector's cross-entropy in the loss", min=0,
                                   needs=(lambda c: c.arch == 'dflash2', "arch='dflash2'"))
-    loss_terms: str = param('ce', "what each drafted slot is scored by: ce (its label), or against the target's own distribution kl "
+    loss_terms: str | None = param(None, "what each drafted slot is scored by: ce (its label), or against the target's own distribution kl "
                             "(KL(p_t||p_d)), tv (total variation: 1 - the slot's expected acceptance), l1 (2 tv), lk (kl while far, tv once "
                             "close), or a weighted sum, e.g. ce:0.1,l1:0.9; a distribution term needs the target's final hidden states "
-                            "(an extraction with final_hidden, or online training, where the target ranks send them)")
+                            "(an extraction with final_hidden, or online training, where the target ranks send them); None: ce, or DSpark's ce:0.1,l1:0.9")
     optimizer: str = param('adamw', "adamw, or muon: Muon for the layers' 2-D weights and fc (lr matched to AdamW's update size), AdamW for the rest",
                            choices=('adamw', 'muon'))
     train_vocab: int | None = param(None, "the loss scores only the K most frequent label tokens of the training data (and each batch's "
@@ -165,7 +167,7 @@ class TrainConfig(Job):
     def validates(self): return self.val_extracted is not None or self.val_data not in (None, 'none')
 
     def check(self):
-        parse_terms(self.loss_terms)
+        if self.loss_terms is not None: parse_terms(self.loss_terms)
         if isinstance(self.targets, str) and self.targets != 'auto': raise ValueError(f"targets={self.targets!r}: must be a number of ranks or 'auto'")
         if self.targets == 'auto' and self.ranks is None: self.set('ranks', torch.cuda.device_count() or 3, 'the GPUs, or 3 on a CPU')
         if self.target is None: self.set('target', str(TINY_TARGET), 'the embedded target')
@@ -290,8 +292,13 @@ def resolve_layer_types(cfg, target_config):
 def resolve_arch(cfg, target_config):
     """DFlash2 on a real hybrid target takes the published Qwen3.8-27B drafter's layout where the run leaves it open: block 8, every layer
     sliding (window 2048), `is_causal` false. The embedded demo keeps its own small settings."""
+    open_ = lambda k: cfg.origins.get(k, 'default') == 'default' or cfg.origins[k].startswith('recipe')
+    if cfg.arch == 'dspark':                                   # the paper's: B = 7 (all 7 draft), decay gamma 4, 0.1 CE + 0.9 L1
+        if open_('block_size'): cfg.set('block_size', 7, 'DSpark: the paper\'s block of 7')
+        if open_('loss'): cfg.set('loss', 'decay', "DSpark: the paper's slot decay (gamma 4)")
+        if cfg.loss_terms is None: cfg.set('loss_terms', ','.join(f'{k}:{v}' for k, v in PAPER.items()), "DSpark: the paper's loss")
     if cfg.arch != 'dflash2' or cfg.demo or not is_hybrid(target_config): return
-    why, open_ = 'recipe: the published Qwen3.8-27B DFlash2 drafter', lambda k: cfg.origins.get(k, 'default') == 'default' or cfg.origins[k].startswith('recipe')
+    why = 'recipe: the published Qwen3.8-27B DFlash2 drafter'
     if open_('block_size'): cfg.set('block_size', 8, why)
     if cfg.layer_types is None: cfg.set('layer_types', ','.join([SLIDING] * cfg.num_layers), why)
     if open_('is_causal') and cfg.is_causal is None: cfg.set('is_causal', False, why)
@@ -360,8 +367,9 @@ def drafter_for(cfg, mask_token_id):
         c = init_config(cfg.init_from); c.update(ids); c.dflash_config['mask_token_id'] = mask_token_id
         c.__dict__.pop('auto_map', None)                  # its remote code is not saved beside ours
         return c
-    return drafter_config(tcfg, cfg.num_layers, cfg.block_size, mask_token_id, cfg.layer_ids, layer_types=cfg.layer_types and layer_type_list(cfg.layer_types),
-                          sliding_window=cfg.sliding_window, is_causal=cfg.is_causal, **ids)
+    make = dspark_config if cfg.arch == 'dspark' else drafter_config
+    return make(tcfg, cfg.num_layers, cfg.block_size, mask_token_id, cfg.layer_ids, layer_types=cfg.layer_types and layer_type_list(cfg.layer_types),
+                sliding_window=cfg.sliding_window, is_causal=cfg.is_causal, **ids)
 
 def load_init(model, path):
     "Copy every tensor of the drafter saved in `path` into `model`; returns `model`."

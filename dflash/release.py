@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from .core import append_jsonl
 from .taps import target_name, text_config, load_target_config
-from .dflash2 import drafter_class
+from .dspark import drafter_class
 from .publish import save_drafter, model_card
 from .evaluate import TauProbe, NgramDrafter, tau_table
 from .validate import resolution

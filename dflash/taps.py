@@ -4,9 +4,10 @@
 
 # %% auto #0
 __all__ = ['LAYER_PATHS', 'DTYPES', 'default_layer_ids', 'check_layer_ids', 'text_config', 'decoder_layers', 'StopForward',
-           'tap_layers', 'tapped', 'capture', 'pad_batch', 'NonFiniteStates', 'check_finite', 'parse_dtype',
-           'dtype_name', 'peak_mem_bytes', 'resolve_target', 'target_name', 'target_revision', 'load_tokenizer',
-           'load_target', 'load_target_config', 'load_target_io', 'tokenizer_sha256', 'config_sha256']
+           'tap_layers', 'tapped', 'capture', 'pad_batch', 'NonFiniteStates', 'check_finite', 'final_norm',
+           'logit_transform', 'target_logits', 'parse_dtype', 'dtype_name', 'peak_mem_bytes', 'resolve_target',
+           'target_name', 'target_revision', 'load_tokenizer', 'load_target', 'load_target_config', 'load_target_io',
+           'tokenizer_sha256', 'config_sha256']
 
 # %% ../nbs/taps.ipynb #05c80b55
 import hashlib, importlib.util, json, os, resource
@@ -60,15 +61,17 @@ def decoder_layers(model):
 
 # %% ../nbs/taps.ipynb #4f460780
 class StopForward(Exception):
-    "Raised by the hook on the last tapped layer: the forward has produced everything extraction needs."
+    "Raised by the hook on the last tapped layer (or on the final norm): the forward has produced everything extraction needs."
 
 @contextmanager
-def tap_layers(model, layer_ids, index=None, stop=True):
+def tap_layers(model, layer_ids, index=None, stop=True, final=False):
     """Hooks on decoder layers `layer_ids` that fill a dict {layer id: output}. With `index` (flat rows of batch x sequence to keep)
     each hook copies those rows of its output straight into `taps['rows']`, `[len(index), n*H]` in `layer_ids` order.
-    With `stop` the hook on the last tapped layer raises `StopForward`."""
+    With `final`, a hook on the final norm (`final_norm`) also records the state the head reads in `taps['final']` (its `index` rows).
+    With `stop` the hook on the last of them (the final norm when `final`, else the last tapped layer) raises `StopForward`."""
     layers = decoder_layers(model)
     ids = check_layer_ids(layer_ids, len(layers))
+    norm = final_norm(model) if final else None          # found before any hook of ours is on the model
     taps, last, handles = {}, max(ids), []
     def hook(k):
         def record(module, args, output):
@@ -79,10 +82,15 @@ def tap_layers(model, layer_ids, index=None, stop=True):
                 if 'rows' not in taps: taps['rows'] = h.new_empty(len(index), len(ids) * H)
                 for j in [j for j, kk in enumerate(ids) if kk == k]: taps['rows'][:, j * H:(j + 1) * H] = h.index_select(0, index)
                 taps[k] = taps['rows'][:, ids.index(k) * H:(ids.index(k) + 1) * H]
-            if stop and k == last: raise StopForward(k)
+            if stop and not final and k == last: raise StopForward(k)
         return record
+    def record_final(module, args, output):
+        h = output[0] if isinstance(output, (tuple, list)) else output
+        taps['final'] = h if index is None else h.flatten(0, 1).index_select(0, index)
+        if stop: raise StopForward('final')
     try:
         for k in sorted(set(ids)): handles.append(layers[k].register_forward_hook(hook(k)))
+        if final: handles.append(norm.register_forward_hook(record_final))
         yield taps
     finally:
         for h in handles: h.remove()
@@ -94,15 +102,19 @@ def tapped(taps, layer_ids):
     return torch.cat([taps[k] for k in layer_ids], dim=-1)
 
 @torch.no_grad()   # not inference_mode: a drafter trains on what this returns
-def capture(model, input_ids, attention_mask=None, layer_ids=None, index=None):
-    "Outputs of decoder layers `layer_ids` concatenated in that order: `[B, S, n*H]`, or `[len(index), n*H]` for flat rows `index`; the forward stops after the last tap."
+def capture(model, input_ids, attention_mask=None, layer_ids=None, index=None, final=False):
+    """Outputs of decoder layers `layer_ids` concatenated in that order: `[B, S, n*H]`, or `[len(index), n*H]` for flat rows `index`;
+    the forward stops after the last tap. With `final`, `(taps, final state)`: the forward runs on to the final norm (never the head),
+    whose output, the state the head reads, comes as `[B, S, H]` (or `[len(index), H]`)."""
     if layer_ids is None: layer_ids = default_layer_ids(len(decoder_layers(model)))
-    with tap_layers(model, layer_ids, index) as taps:
+    with tap_layers(model, layer_ids, index, final=final) as taps:
         try: model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except StopForward: pass
-    if index is None: return tapped(taps, layer_ids)
-    tapped(taps, layer_ids)   # raises if a layer was not reached
-    return taps['rows']
+    rows = tapped(taps, layer_ids)   # raises if a layer was not reached
+    if index is not None: rows = taps['rows']
+    if not final: return rows
+    if 'final' not in taps: raise RuntimeError(f'the forward of {type(model).__name__} never reached its final norm')
+    return rows, taps['final']
 
 # %% ../nbs/taps.ipynb #f7c345a9
 def pad_batch(seqs, pad_id=0):
@@ -117,13 +129,68 @@ def pad_batch(seqs, pad_id=0):
 class NonFiniteStates(ValueError): "The target's tapped hidden states hold NaN or inf."
 
 def check_finite(rows, layer_ids, lengths, sample_ids):
-    "Raise `NonFiniteStates` naming the first sample and tapped layer whose rows `[T, n*H]` are not finite (samples of `lengths`)."
+    """Raise `NonFiniteStates` naming the first sample and tapped layer whose rows `[T, n*H]` are not finite (samples of `lengths`);
+    a name that is not a layer id (`'final'`: the final state) is named as it is."""
     if torch.isfinite(rows.sum(dtype=torch.float32)): return rows
     bad = ~torch.isfinite(rows.reshape(len(rows), len(layer_ids), -1)).all(-1)          # [T, n]
     r, j = (int(x) for x in bad.nonzero()[0])
     s = int(np.searchsorted(np.cumsum(lengths), r, side='right'))
-    raise NonFiniteStates(f'the target produced non-finite hidden states at layer {layer_ids[j]} for sample {sample_ids[s]} '
+    where = f'layer {layer_ids[j]}' if isinstance(layer_ids[j], (int, np.integer)) else f'its {layer_ids[j]} state'
+    raise NonFiniteStates(f'the target produced non-finite hidden states at {where} for sample {sample_ids[s]} '
                           f'(and {int(bad.any(1).sum())} rows in all of samples {list(sample_ids)[:8]}): check the target\'s weights and dtype')
+
+# %% ../nbs/taps.ipynb #cf927923
+import weakref
+_FINAL_NORMS = weakref.WeakKeyDictionary()
+
+@torch.no_grad()
+def final_norm(model):
+    "The module whose output `model`'s head reads (the final norm): found once by a one-token probe that stops before the head runs."
+    if model in _FINAL_NORMS: return _FINAL_NORMS[model]
+    head = model.get_output_embeddings() if hasattr(model, 'get_output_embeddings') else None
+    if head is None: raise TypeError(f'{type(model).__name__} has no output head (get_output_embeddings() is None): no final state to capture')
+    name_of = {id(m): n for n, m in model.named_modules()}
+    hname = name_of.get(id(head), '')
+    above = {'.'.join(hname.split('.')[:i]) for i in range(len(hname.split('.')))}          # the head's ancestors (their output is the logits)
+    inner = {id(m) for layer in decoder_layers(model) for m in layer.modules() if m is not layer}
+    outs, seen, handles = [], {}, []
+    def keep(name):
+        def hook(m, args, output):
+            h = output[0] if isinstance(output, (tuple, list)) and len(output) else output
+            if torch.is_tensor(h): outs.append((name, m, h))
+        return hook
+    def stop(m, args):
+        seen['x'] = args[0]; raise StopForward('head')
+    try:
+        for n, m in model.named_modules():
+            if m is not head and n not in above and id(m) not in inner: handles.append(m.register_forward_hook(keep(n)))
+        handles.append(head.register_forward_pre_hook(stop))
+        dev = next(model.parameters()).device
+        try: model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=dev), use_cache=False)
+        except StopForward: pass
+    finally:
+        for h in handles: h.remove()
+    if 'x' not in seen: raise TypeError(f'the forward of {type(model).__name__} never reached its head {hname}: cannot find its final norm')
+    x = seen['x']
+    same = [(n, m) for n, m, h in outs if h.shape == x.shape and torch.equal(h, x)]
+    if not same: raise TypeError(f'cannot find the final norm of {type(model).__name__}: no module outputs what its head {hname} reads '
+                                 '(the state is changed between them), so no captured state would give its logits')
+    _FINAL_NORMS[model] = same[-1][1]
+    return same[-1][1]
+
+# %% ../nbs/taps.ipynb #01ca88e1
+def logit_transform(config):
+    "`(mult, cap)` of the target's forward after its head: logits = `cap * tanh(mult * z / cap)` (no cap: `mult * z`) for head outputs `z`."
+    tc = text_config(config)
+    mult = float(getattr(tc, 'logit_scale', None) or 1.0) / float(getattr(tc, 'logits_scaling', None) or 1.0)
+    cap = getattr(tc, 'final_logit_softcapping', None)
+    return mult, float(cap) if cap and float(cap) > 0 else None
+
+def target_logits(head, final, config):
+    "The target's logits from its final state `final` [..., H] (what `capture(..., final=True)` returns), in float32."
+    mult, cap = logit_transform(config)
+    z = head(final.to(head.weight.dtype)).float() * mult
+    return z if cap is None else torch.tanh(z / cap) * cap
 
 # %% ../nbs/taps.ipynb #c85f72f2
 DTYPES = {'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16, 'fp16': torch.float16, 'float16': torch.float16, 'half': torch.float16,

@@ -25,6 +25,7 @@ from .engine import serving_problems
 from .dist import Coord, HSSender, OnlineSource, launch, peer_lost, store_from_env
 from .validate import Validator, check_best, check_best_by, tree_budgets
 from .metrics import follow, val_line
+from .loss import needs_target
 from .recipe import (TrainConfig, rank_device, resolve_mask_token, resolve_layer_types, resolve_init_from, init_config,
                            make_optimizer, frequent_labels, resolve_arch)
 from .balance import auto_split
@@ -42,7 +43,8 @@ def _work(cfg, t, start, total):
     return sorted(work)
 
 def run_target(cfg, coord, t, plan, ds, device, pg, model=None):
-    "Target rank `t`: capture its share of the plan and stream it to its drafter(s) through the HS queue."
+    "Target rank `t`: capture its share of the plan (and its final states when the loss needs them) and stream it to its drafter(s) through the HS queue."
+    final = cfg.loss_terms is not None and needs_target(cfg.loss_terms)
     if model is None: model = load_target(cfg.target, cfg.dtype, device)
     pad_id = getattr(text_config(model.config), 'pad_token_id', None) or 0
     senders = {d: HSSender(coord, t, cfg.targets + d, cfg.q_depth, pg, d) for d in served(t, cfg.targets, cfg.drafters)}
@@ -56,12 +58,14 @@ def run_target(cfg, coord, t, plan, ds, device, pg, model=None):
         rows = [ds[int(j)] for j in plan.batch(d, p)]
         tf = time.perf_counter()
         ids, mask, index = pad_batch([r['input_ids'] for r in rows], pad_id)
-        hs = check_finite(capture(model, ids.to(device), mask.to(device), cfg.layer_ids, index.to(device)), cfg.layer_ids,
-                          [len(r['input_ids']) for r in rows], [ds.ids[int(j)] for j in plan.batch(d, p)])
+        got = capture(model, ids.to(device), mask.to(device), cfg.layer_ids, index.to(device), final=final)
+        (hs, fin), lens, names = got if final else (got, None), [len(r['input_ids']) for r in rows], [ds.ids[int(j)] for j in plan.batch(d, p)]
+        hs = check_finite(hs, cfg.layer_ids, lens, names)
+        if fin is not None: check_finite(fin, ['final'], lens, names)
         if device.type == 'cuda': torch.cuda.synchronize(device)
         fwd_s += time.perf_counter() - tf
         if not senders[d].send(hs, np.concatenate([r['input_ids'] for r in rows]), np.concatenate([r['loss_mask'] for r in rows]),
-                               [len(r['input_ids']) for r in rows], p): break
+                               lens, p, final_rows=fin): break
         if time.perf_counter() - last > 0.5: last = time.perf_counter(); coord.set(f'tstat/{t}', stats())
     for s in senders.values(): s.close()
     coord.set(f'tstat/{t}', stats())
@@ -196,6 +200,14 @@ def _check_data(cfg, ds):
         raise ValueError(f'block_size={cfg.block_size}: the longest training sample has {longest} tokens, so slots past {longest - 1} never '
                          f'have a label (and a server would draft {cfg.block_size - 1} tokens a step): choose block_size <= {longest} (16: the recipe)')
 
+def _target_distribution(cfg, ds):
+    "A loss term against the target's distribution needs its final states: offline, an extraction that holds them; online, the target ranks send them."
+    if cfg.online or cfg.loss_terms is None or not needs_target(cfg.loss_terms): return
+    if not ds.manifest.get('final_hidden'):
+        raise ValueError(f"loss_terms={cfg.loss_terms}: a term against the target's distribution needs its final hidden states, and extracted: "
+                         f"{cfg.extracted} has none: extract again with final_hidden=True (dflash_extract --final-hidden), train online, "
+                         "or train with loss_terms=ce")
+
 def _resumed(cfg, out):
     "`(checkpoint, its COMPLETE record)` a resume continues from, after checking there is a run to resume; `(None, None)` otherwise."
     if not cfg.resume: return None, None
@@ -245,7 +257,7 @@ def prepare_job(cfg):
     if cfg.online: cfg.data = str(Path(prepared(cfg.data, cfg.target, out, cfg.max_length)).resolve())
     else: cfg.extracted = str(Path(cfg.extracted).resolve())
     ds = TokenizedDataset.load(cfg.data) if cfg.online else ExtractedDataset(cfg.extracted)
-    _check_data(cfg, ds)
+    _check_data(cfg, ds); _target_distribution(cfg, ds)
     if earlier and not cfg.resume: print(f'the earlier run in {out} is now in {set_aside(out, RUN_FILES)}')
     if 'val_data' in changed and (out / 'val').exists(): print(f'resume: val_data changed; the extraction of the old one is now in {set_aside(out, ["val"])}')
     _validation(cfg, out, ds)

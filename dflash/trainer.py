@@ -18,7 +18,8 @@ from .taps import load_target_io, peak_mem_bytes
 from .model import feature_scale_of
 from .blocks import anchor_generator
 from .loss import tail_sample
-from .dflash2 import DFlash2DraftModel, drafter_class
+from .dflash2 import DFlash2DraftModel
+from .dspark import drafter_class
 from .track import Trackers
 from .metrics import Meter, progress_line, TREE_CALIBRATION
 from .recipe import drafter_for, load_init, make_optimizer, frequent_labels

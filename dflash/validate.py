@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from .batching import token_budget_batches
 from .shards import ExtractedDataset, collate
 from .core import write_json_atomic, first_free, append_jsonl
-from .dflash2 import drafter_class
+from .dspark import drafter_class
 from .blocks import sample_anchors, anchor_generator
 from .publish import save_drafter
 from .tree import grow_tree

@@ -147,7 +147,7 @@ def _eval_mode(*models):
 @torch.no_grad()
 def step_costs(target, drafter, prompt, reps=10):
     "Median seconds of one plain decode step, one verify step (a block of B tokens) and one draft step (DFlash2: its walk included), after `prompt`."
-    dev, B, ids = target.device, drafter.block_size, drafter.target_layer_ids
+    dev, B, ids = target.device, drafter.draft_len + 1, drafter.target_layer_ids
     cache = DynamicCache(config=target.config)
     with tap_layers(target, ids, stop=False) as hooked:
         target(_ids(prompt, dev), cache=cache, use_cache=True, logits_to_keep=1); taps = tapped(hooked, ids)

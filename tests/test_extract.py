@@ -272,3 +272,91 @@ def test_max_samples_extracts_a_prefix_that_is_complete(work):
     with pytest.raises(ValueError, match='not complete'): ExtractedDataset(work / 'prefix', require_complete=True)
     r = extract(work / 'hybrid', work / 'dataset', work / 'prefix', **KW)     # the rest: resumed, now the whole dataset
     assert r['complete'] and r['skipped'] == 10 and r['num_samples'] == 43 and read_manifest(work / 'prefix')['requested_samples'] == 43
+
+# --- the target's final state (distribution losses)
+
+FINAL_ARCHS = {**ARCHS, 'gemma2-softcap': lambda: T.Gemma2Config(**SMALL, final_logit_softcapping=2.0),
+               'cohere-logit-scale': lambda: T.CohereConfig(**SMALL, logit_scale=0.25),
+               'granite-logits-scaling': lambda: T.GraniteConfig(**SMALL, logits_scaling=4.0)}
+
+@pytest.mark.parametrize('arch', list(FINAL_ARCHS))
+def test_final_state_gives_the_targets_logits(arch):
+    "capture(final=True) on a padded batch: the taps unchanged, the head never run, and target_logits(final) = the forward's logits."
+    from dflash.taps import final_norm, target_logits
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(FINAL_ARCHS[arch]()).eval()
+    seqs = [list(range(3, 12)), [5, 6, 7], [9]]
+    ids, mask, index = pad_batch(seqs)
+    calls = []
+    h = m.get_output_embeddings().register_forward_hook(lambda *a: calls.append('head'))
+    rows, fin = capture(m, ids, mask, [1, 0], index, final=True)
+    h.remove()
+    assert calls == [] and final_norm(m) is m.model.norm and torch.equal(rows, capture(m, ids, mask, [1, 0], index))
+    with torch.no_grad(): ref = m(input_ids=ids, attention_mask=mask).logits.flatten(0, 1)[index]
+    torch.testing.assert_close(target_logits(m.get_output_embeddings(), fin, m.config), ref, atol=2e-5, rtol=1e-4)
+
+def test_final_state_of_a_multimodal_wrapper_and_refusals(tok, make_target):
+    from dflash.taps import final_norm
+    vc = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4, spatial_merge_size=1, temporal_patch_size=1)
+    mm = T.Qwen3_5ForConditionalGeneration(T.Qwen3_5Config(text_config=target_config(tok, hidden=64, layers=4).to_dict(), vision_config=vc)).eval()
+    x = torch.randint(0, 2000, (1, 7))
+    _, fin = capture(mm, x, layer_ids=[1], final=True)
+    with torch.no_grad(): torch.testing.assert_close(mm.lm_head(fin), mm(x).logits)
+    assert final_norm(mm) is mm.model.language_model.norm
+    with pytest.raises(TypeError, match='has no output head'): capture(T.AutoModel.from_config(make_target('qwen3').config), x, layer_ids=[1], final=True)
+
+@pytest.fixture(scope='module')
+def final_base(work):
+    "An extraction with the final states (fp8, so both tensors have scales), small shards."
+    kw = {**KW, 'final_hidden': True, 'store_dtype': 'fp8'}
+    extract(work / 'hybrid', work / 'dataset', work / 'final', **kw)
+    return kw, ExtractedDataset(work / 'final', verify=True)
+
+def test_extract_final_states_are_the_targets_and_fp8_has_its_own_scales(work, base, final_base):
+    from safetensors import safe_open
+    from dflash.taps import target_logits
+    kw, x = final_base
+    man = read_manifest(work / 'final')
+    assert man['final_hidden'] and man['complete'] and x.final_hidden and x.verify_all() and list(x.sample_ids) == list(range(43))
+    with safe_open(work / 'final' / man['shards'][0]['file'], 'pt') as f:
+        T_ = man['shards'][0]['num_tokens']
+        assert f.get_slice('final_hidden').get_shape() == [T_, 64] and f.get_slice('final_scale').get_shape() == [T_]
+    m = AutoModelForCausalLM.from_pretrained(work / 'hybrid').eval()
+    for i in (0, 40, 42):
+        s = x[i]
+        with torch.no_grad(): ref = m(s['input_ids'][None]).logits[0]
+        got = target_logits(m.lm_head, s['final_hidden'], m.config)
+        assert s['final_hidden'].dtype == torch.float32 and (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95   # through fp8
+        assert (got - ref).abs().max() < 0.1 * ref.abs().max()
+    assert 'final_hidden' not in base[1][0] and read_manifest(work / 'base')['final_hidden'] is False   # not asked: not stored
+
+def test_extract_final_states_resume_and_corruption(work, final_base):
+    "Damaged final rows are caught by verify (naming the shard) and redone on resume, bit for bit; a changed setting is refused."
+    import shutil
+    from dflash.shards import CorruptShard
+    kw, ref = final_base
+    out = work / 'final-damaged'
+    shutil.copytree(work / 'final', out)
+    update_manifest(out, lambda m: m['shards'].pop())          # killed before its last shard was listed
+    man = read_manifest(out); f = out / man['shards'][1]['file']
+    n = int.from_bytes(f.read_bytes()[:8], 'little'); where = json.loads(f.read_bytes()[8:8 + n])['final_hidden']['data_offsets']
+    with open(f, 'r+b') as fh: fh.seek(8 + n + where[0] + 3); fh.write(b'\x7f' * 16)    # inside final_hidden only
+    with pytest.raises(CorruptShard, match=f"{man['shards'][1]['file']}: corrupt"):
+        x = ExtractedDataset(out, verify=True); [x[i] for i in range(len(x))]
+    for other in ({**kw, 'final_hidden': False}, {k: v for k, v in kw.items() if k != 'final_hidden'}):
+        with pytest.raises(ValueError, match=r'final_hidden=True \(now False\)'): extract(work / 'hybrid', work / 'dataset', out, **other)
+    r = extract(work / 'hybrid', work / 'dataset', out, **kw)
+    x = ExtractedDataset(out, verify=True)
+    assert r['complete'] and r['skipped'] > 0 and x.verify_all() and list(x.sample_ids) == list(range(43))
+    for i in range(43): assert torch.equal(x[i]['final_hidden'], ref[i]['final_hidden']) and torch.equal(x[i]['hidden_states'], ref[i]['hidden_states'])
+
+def test_an_extraction_from_before_final_states_still_loads_and_resumes(work, base):
+    "A manifest without the key (older extractions): read as final_hidden=False, resumed with the default, refused with final_hidden=True."
+    import shutil
+    out = work / 'old'
+    shutil.copytree(work / 'base', out)
+    update_manifest(out, lambda m: m.pop('final_hidden'))
+    x = ExtractedDataset(out)
+    assert not x.final_hidden and set(x[0]) == {'hidden_states', 'input_ids', 'loss_mask', 'sample_id'}
+    assert extract(work / 'hybrid', work / 'dataset', out, **KW)['skipped'] == 43
+    with pytest.raises(ValueError, match=r'final_hidden=False \(now True\)'): extract(work / 'hybrid', work / 'dataset', out, **KW, final_hidden=True)

@@ -76,6 +76,20 @@ def test_offline_matches_online(work, extracted, tmp_path):
     on, off = losses(tmp_path / 'on'), losses(tmp_path / 'off')
     assert abs(on[1] - off[1]) < 1e-4 and abs(on[2] - off[2]) < 1e-3, (on, off)
 
+def test_dspark_paper_loss_offline_matches_online(work, tmp_path):
+    """DSpark with the paper's loss (0.1 CE + 0.9 L1 against the target's distribution, and the confidence term): from an extraction
+    that stores the target's final states, and online, where the target rank sends them, the same first steps."""
+    x = tmp_path / 'xf'
+    extract(target=work / 'target', data=work / 'dataset120', out=x, layer_ids=[2], token_budget=512, progress=False, final_hidden=True)
+    run = dict(arch='dspark', drafters=1, max_steps=2, servable=False)
+    train(**kw(work, out=str(tmp_path / 'on'), targets=1, **run))
+    train(**kw(work, out=str(tmp_path / 'off'), extracted=str(x), **run))
+    on, off = losses(tmp_path / 'on'), losses(tmp_path / 'off')
+    assert abs(on[1] - off[1]) < 1e-4 and abs(on[2] - off[2]) < 1e-3, (on, off)
+    c = json.loads((tmp_path / 'off/config.json').read_text())
+    assert c['config']['loss_terms'] == 'ce:0.1,l1:0.9' and c['config']['block_size'] == 7 and c['config']['loss'] == 'decay'
+    assert all(len(m['acc']) == 7 for m in read_metrics(tmp_path / 'off') if 'loss' in m)
+
 def cli_args(**a):
     "Command-line options of keyword arguments (booleans as --flag / --no-flag)."
     return [(f'--{k}' if v else f'--no-{k}') if isinstance(v, bool) else f'--{k}={v}' for k, v in a.items()]

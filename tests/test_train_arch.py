@@ -102,3 +102,25 @@ def test_the_final_evaluation_samples_at_the_temperature_asked(w, tmp_path):
     assert res['lossless'] and res['eval_temperature'] == 0.7 and res['tau_sampled'] >= 1
     card = (tmp_path / 'hot/drafter/README.md').read_text()
     assert 'sampled at temperature 0.7' in card and 'T = 0.7' in card or 'T=0.7' in card
+
+
+def test_a_dspark_run_trains_saves_as_served_and_drafts_losslessly(w, tmp_path):
+    from safetensors import safe_open
+    from dflash.dspark import DSparkDraftModel
+    from dflash.evaluate import evaluate, load_prompts
+    from dflash.taps import load_target, load_tokenizer
+    fails(train_cli, '--target', w / 'target', '--extracted', w / 'x', '--out', tmp_path / 'paper', '--arch', 'dspark', '--layer_ids', '1,3,5',
+          msg="needs its final hidden states")                              # the paper's loss: this extraction has no final states
+    train(target=str(w / 'target'), extracted=str(w / 'x'), out=str(tmp_path / 'ds'), layer_ids=[1, 3, 5], arch='dspark', loss_terms='ce',
+          mask_token_id=3, servable=False, **{**RUN, 'max_steps': 3})
+    recs = [m for m in read_metrics(tmp_path / 'ds') if 'loss' in m]
+    assert len(recs) == 3 and all(len(m['acc']) == 7 for m in recs)          # block 7: all 7 slots draft
+    c = json.loads((tmp_path / 'ds/drafter/config.json').read_text())
+    assert c['architectures'] == ['Qwen3DSparkModel'] and c['block_size'] == 7 and c['markov_rank'] == 256 and c['enable_confidence_head']
+    with safe_open(tmp_path / 'ds/drafter/model.safetensors', 'pt') as f: keys = set(f.keys())
+    assert {'markov_head.markov_w1.weight', 'markov_head.markov_w2.weight', 'confidence_head.proj.weight', 'fc.weight'} <= keys
+    target = load_target(str(w / 'target')).eval()
+    d = load_drafter(tmp_path / 'ds/drafter', target)
+    assert isinstance(d, DSparkDraftModel) and d.draft_len == 7
+    r = evaluate(target, d, load_prompts(load_tokenizer(str(w / 'target')), n=2), 24, strict=True)
+    assert r['lossless'] and r['block_size'] == 8 and 1 <= r['tau'] <= 8

@@ -58,7 +58,7 @@ VAL_KEYS = ('val_data', 'val_extracted', 'val_samples', 'val_anchors', 'val_tree
 RESUME_KEYS = {                                       # a setting `resume_changes` may let change: how the change takes effect
     'target': "compared by its config's hash (a moved folder is the same target); another target is refused",
     **dict.fromkeys(('block_size', 'mask_token_id', 'layer_types', 'sliding_window', 'is_causal'), "the drafter's config, built from the run's settings"),
-    **dict.fromkeys(('num_anchors', 'clip', 'loss', 'dpace_alpha', 'selector_alpha', 'train_vocab', 'train_vocab_tail'), 'read by every step'),
+    **dict.fromkeys(('num_anchors', 'clip', 'loss', 'dpace_alpha', 'selector_alpha', 'loss_terms', 'train_vocab', 'train_vocab_tail'), 'read by every step'),
     'precondition': "on: the taps' scale is measured on the resumed run's first batch (the function kept); off: fc stays folded",
     **dict.fromkeys(('token_budget', 'max_batch_size', 'max_samples', 'epochs', 'max_steps', 'grad_accum', 'seed'),
                     'the plan of batches, rebuilt from the step on; the schedule spans its new length'),

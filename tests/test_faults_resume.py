@@ -70,7 +70,7 @@ CHANGES = {'block_size': (['--block-size', '8'], []), 'mask_token_id': (['--mask
            'layer_types': (['--layer-types', 'full'], []), 'sliding_window': (['--sliding-window', '2'], []),
            'is_causal': (['--no-is-causal'], []), 'num_anchors': (['--num-anchors', '4'], []), 'clip': (['--clip', '0.01'], []),
            'loss': (['--loss', 'dpace'], []), 'dpace_alpha': (['--dpace-alpha', '0.9'], ['--loss', 'dpace']),
-           'selector_alpha': (['--selector-alpha', '0.1'], None), 'train_vocab': (['--train-vocab', '64'], []),
+           'selector_alpha': (['--selector-alpha', '0.1'], None), 'loss_terms': (['--loss-terms', 'ce:0.5'], []), 'train_vocab': (['--train-vocab', '64'], []),
            'train_vocab_tail': (['--train-vocab-tail', '16'], ['--train-vocab', '64']), 'precondition': (['--precondition'], []),
            'token_budget': (['--token-budget', '256'], []), 'max_batch_size': (['--max-batch-size', '2'], []),
            'max_samples': (['--max-samples', '20'], []), 'epochs': (['--epochs', '1'], None), 'max_steps': (['--max-steps', '6'], []),

@@ -87,23 +87,32 @@ class NgramDrafter:
 
 # %% ../nbs/evaluate.ipynb #8f1eadc1
 class DFlashDrafter:
-    """Wraps a DFlash drafter (`DFlashDraftModel`, `DFlash2DraftModel`: a model with `propose`, `propose_sampled`, `tree_children`), its
-    target attached, for the verify loop: greedy, sampled, or a tree."""
-    def __init__(self, model):
+    """Wraps a DFlash-family drafter (`DFlashDraftModel`, `DFlash2DraftModel`, `DSparkDraftModel`: a model with `propose`, `propose_sampled`,
+    `tree_children`), its target attached, for the verify loop: greedy, sampled, or a tree. `confidence_threshold` > 0: a chain verifies
+    only the drafts the drafter's `verify_len` keeps (DSpark's confidence head; a drafter without one verifies all)."""
+    def __init__(self, model, confidence_threshold=0.0):
         self.model, self.layer_ids, self.block_size = model, model.target_layer_ids, model.draft_len + 1   # the verify block: last token + drafts
+        self.threshold = confidence_threshold
     def reset(self): self.cache = self.model.new_cache()
     def _inputs(self, tokens, taps):
         dev = self.model.fc.weight.device
         return taps.to(dev), torch.tensor([tokens[-1]], device=dev), len(tokens) - 1, self.cache
 
-    def propose(self, tokens, taps, k): return self.model.propose(*self._inputs(tokens, taps))[0][0, :k].tolist()
+    def _scheduled(self, k):
+        f = getattr(self.model, 'verify_len', None)
+        return k if not self.threshold or f is None else min(k, f(self.threshold))
+
+    def propose(self, tokens, taps, k):
+        toks = self.model.propose(*self._inputs(tokens, taps))[0][0]
+        return toks[:self._scheduled(k)].tolist()
 
     def propose_sampled(self, tokens, taps, k, warp, generator=None):
         """`(k tokens, their probabilities q [k, V])`, drawn as the reference draws them: DFlash from the target's `warp` of its logits,
         DFlash2 along the selector's walk from softmax(scores / T)."""
         if k == 0: return [], None
         toks, q = self.model.propose_sampled(*self._inputs(tokens, taps), k, warp, generator)
-        return toks[0].tolist(), q[0]
+        n = self._scheduled(k)
+        return (toks[0, :n].tolist(), q[0, :n]) if n else ([], None)
 
     def propose_tree(self, tokens, taps, budget, depth, warp=None):
         "The drafter's most probable continuations, a `Tree` of `budget` nodes at most `depth` deep (`warp`: the target's sampler at T > 0)."
@@ -299,6 +308,9 @@ class EvalConfig(Job):
     seed: int = param(0, 'seed of the sampled decodes', min=0, needs=(lambda j: j.temperature > 0, 'temperature > 0'))
     tree_budget: int = param(0, "also verify the drafter's DDTree of this many nodes per step, a row 'dflash tree N' (0: chains only)",
                              min=0, needs=(lambda j: j.drafter is not None, 'a drafter'))
+    confidence_threshold: float = param(0.0, "DSpark: also a row 'dflash scheduled P' that verifies only the drafts whose survival (the running "
+                                        "product of the confidence head's, calibrated) is at least P (0: none)", min=0, max=1,
+                                        needs=(lambda j: j.drafter is not None, 'a drafter'))
 
     def check(self):
         if self.target is None: self.set('target', str(TINY_TARGET), 'the embedded target')
@@ -335,7 +347,7 @@ def evaluate_job(*args, **kw):
     job = args[0] if args and isinstance(args[0], Job) else EvalConfig(*args, **kw)
     out = claim_out(job.out, job)
     print(job.announce())
-    if job.drafter: finite_weights(job.drafter); check_drafter(DFlashDraftModel.config_class.from_pretrained(job.drafter), load_target_config(job.target), job.target)
+    if job.drafter: finite_weights(job.drafter); check_drafter(drafter_class(job.drafter).config_class.from_pretrained(job.drafter), load_target_config(job.target), job.target)
     tok = load_tokenizer(job.target)
     sets = {f: load_prompts(tok, f, job.num_prompts) for f in job.files}      # every file checked before any model loads
     target = load_target(job.target, job.dtype)
@@ -343,6 +355,7 @@ def evaluate_job(*args, **kw):
     out.mkdir(parents=True, exist_ok=True); job.save(out / 'config.json')
     trees = {f'dflash tree {job.tree_budget}': job.tree_budget} if job.drafter and job.tree_budget else {}
     drafters.update({k: drafters['dflash'] for k in trees}, ngram=NgramDrafter())
+    if job.drafter and job.confidence_threshold: drafters[f'dflash scheduled {job.confidence_threshold:g}'] = DFlashDrafter(drafters['dflash'], job.confidence_threshold)
     B = None                                 # each drafter its own block: the drafter's, n-gram 16 (as in training's final loop)
     results = {}
     for f, prompts in sets.items():

@@ -309,10 +309,10 @@ def init_config(path):
     p = Path(path)
     if not (p / 'config.json').is_file(): raise FileNotFoundError(f'init_from: {p} holds no config.json: not a drafter checkpoint')
     if not (p / 'model.safetensors').is_file(): raise FileNotFoundError(f'init_from: {p} holds no model.safetensors')
-    c = DFlashConfig.from_pretrained(p)
+    c = drafter_class(p).config_class.from_pretrained(p)
     if not c.target_layer_ids: raise ValueError(f'init_from: {p}/config.json is not a DFlash drafter (no dflash_config.target_layer_ids)')
     if not {'DFlashDraftModel', 'DFlash2DraftModel'} & set(c.architectures or []):
-        raise ValueError(f'init_from: {p}/config.json is a {c.architectures} checkpoint: this trains DFlashDraftModel and DFlash2DraftModel drafters')
+        raise ValueError(f'init_from: {p}/config.json is a {c.architectures} checkpoint: this warm-starts DFlashDraftModel and DFlash2DraftModel drafters (a DSpark run starts fresh)')
     return c
 
 def _checkpoint_settings(c):

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from .batching import token_budget_batches
 from .shards import ExtractedDataset, collate
 from .core import write_json_atomic, first_free, append_jsonl
-from .dspark import drafter_class
+from .dspark import drafter_class, sts_fit, survival_ece
 from .blocks import sample_anchors, anchor_generator
 from .publish import save_drafter
 from .tree import grow_tree
@@ -101,6 +101,7 @@ class Acceptance:
         self.accept, self.loss, self.weight, self.seqs, self.walks = np.zeros(block_size - 1), 0.0, 0.0, [], []
         self.budgets, self.trees, self.tree_s = sorted({int(b) for b in tree_budgets or ()}), [], 0.0
         self.cal, self.bins = np.zeros((3, block_size - 1, max(self.budgets, default=0))), np.zeros((3, block_size - 1, 10))
+        self.conf = []                                                  # a confidence head's (probabilities, hits, labelled) per forward
 
     def add(self, out, valid, every=False, top=None):
         """One forward's `DFlashOutput` and its anchors' validity [b, A]; `every`: its anchors are every position (the walk can run);
@@ -113,6 +114,8 @@ class Acceptance:
             if every and len(k): self.walks += walk(_first_reply(out.anchors[r].cpu(), ok[r], n[r]), self.max_new_tokens)
         self.accept += np.array([(n[ok] > k).sum().item() for k in range(1, self.B)])
         self.loss += out.loss.item() * out.weight.item(); self.weight += out.weight.item()
+        if getattr(out, 'confidence', None) is not None:
+            self.conf.append((out.confidence.cpu()[ok], out.hits.cpu()[ok], (out.labels != -100).cpu()[ok]))
         if self.budgets:
             if top is None: raise ValueError(f'tree budgets {self.budgets}: add() needs the slots\' top-K of the blocks (top)')
             self._trees(top[0].cpu(), top[1].cpu(), out.labels.cpu()[ok], ok.sum(1).tolist())
@@ -134,7 +137,17 @@ class Acceptance:
             fig, c = [_ratio(t[:, j], m) for j in range(len(self.budgets))], calibration(self.cal, self.bins)
             r.update(val_tree_tau={str(b): f[0] for b, f in zip(self.budgets, fig)}, val_tree_tau_se={str(b): f[1] for b, f in zip(self.budgets, fig)},
                      val_ece=c['ece'], val_tree_s=self.tree_s, val_calibration=dict(budget=self.budgets[-1], **c))
+        if self.conf: r.update(_confidence_reading(*(torch.cat(x) for x in zip(*self.conf))))
         return r
+
+def _confidence_reading(probs, hits, labelled):
+    """A confidence head's held-out figures: `val_conf_ece` (the survival's calibration error as trained), `val_conf_ece_sts` (after
+    per-position temperatures fitted on the other half of the blocks: honest), and `val_sts`, the temperatures fitted on them all."""
+    z = torch.logit(probs.double().clamp(1e-7, 1 - 1e-7))
+    half = torch.arange(len(z)) % 2 == 0
+    T = torch.tensor(sts_fit(z[half], hits[half], labelled[half]))
+    return dict(val_conf_ece=survival_ece(probs[~half], hits[~half], labelled[~half]),
+                val_conf_ece_sts=survival_ece(torch.sigmoid(z[~half] / T), hits[~half], labelled[~half]), val_sts=sts_fit(z, hits, labelled))
 
 def _first_reply(anchors, ok, n):
     "The counts of the blocks on the first run of consecutive valid anchors of a row (its first reply)."
@@ -298,6 +311,7 @@ class Validator:
     def keep(self, model, rec):
         tmp, old = self.dir.with_name('.best.tmp'), self.dir.with_name('.best.old')
         shutil.rmtree(tmp, ignore_errors=True)
+        if rec.get('val_sts'): model.sts_temperatures = rec['val_sts']       # a confidence head: its temperatures go beside it
         save_drafter(model, tmp); write_json_atomic(tmp / 'BEST.json', rec)
         if self.dir.exists(): os.replace(self.dir, old)
         os.replace(tmp, self.dir); shutil.rmtree(old, ignore_errors=True)

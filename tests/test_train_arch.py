@@ -107,7 +107,8 @@ def test_the_final_evaluation_samples_at_the_temperature_asked(w, tmp_path):
 def test_a_dspark_run_trains_saves_as_served_and_drafts_losslessly(w, tmp_path):
     from safetensors import safe_open
     from dflash.dspark import DSparkDraftModel
-    from dflash.evaluate import evaluate, load_prompts
+    from dflash.evaluate import DFlashDrafter, evaluate, load_prompts
+    from dflash.validate import heldout_acceptance
     from dflash.taps import load_target, load_tokenizer
     fails(train_cli, '--target', w / 'target', '--extracted', w / 'x', '--out', tmp_path / 'paper', '--arch', 'dspark', '--layer_ids', '1,3,5',
           msg="needs its final hidden states")                              # the paper's loss: this extraction has no final states
@@ -122,5 +123,13 @@ def test_a_dspark_run_trains_saves_as_served_and_drafts_losslessly(w, tmp_path):
     target = load_target(str(w / 'target')).eval()
     d = load_drafter(tmp_path / 'ds/drafter', target)
     assert isinstance(d, DSparkDraftModel) and d.draft_len == 7
-    r = evaluate(target, d, load_prompts(load_tokenizer(str(w / 'target')), n=2), 24, strict=True)
+    prompts = load_prompts(load_tokenizer(str(w / 'target')), n=2)
+    r = evaluate(target, d, prompts, 24, strict=True)
     assert r['lossless'] and r['block_size'] == 8 and 1 <= r['tau'] <= 8
+    # the confidence head: calibrated on held-out blocks (its temperatures kept beside the best), and a shorter verify when asked
+    h = heldout_acceptance(d, w / 'x', max_samples=8)
+    assert len(h['val_sts']) == 7 and all(t > 0 for t in h['val_sts']) and 0 <= h['val_conf_ece_sts'] <= 1 and 0 <= h['val_conf_ece'] <= 1
+    s = evaluate(target, DFlashDrafter(d, confidence_threshold=0.9), prompts, 24, strict=True)
+    assert s['lossless'] and s['drafted_per_step'] < r['drafted_per_step'], (s['drafted_per_step'], r['drafted_per_step'])
+    hot = evaluate(target, DFlashDrafter(d, confidence_threshold=0.9), prompts, 24, temperature=0.7)
+    assert hot['drafted_per_step'] < 7 and hot['new_tokens'] == 48

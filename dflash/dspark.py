@@ -193,10 +193,11 @@ def _confidence_term(self, hk, e, t, names, hit, w):
 # %% ../nbs/dspark.ipynb #235908eb
 def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_valid=None, num_anchors=512, generator=None, gamma=None,
              attn_impl=None, chunk=4096, return_logits=False, attn_chunk=64, vocab=None, loss='decay', dpace_alpha=0.5, selector_alpha=None,
-             final_hidden=None, terms=None, confidence_alpha=1.0):
+             final_hidden=None, terms=None, confidence_alpha=1.0, teacher_transform=None):
     """Training forward over all B slots of every block; a `DFlashOutput`. `final_hidden` [b, S, H]: the target's final states (the
     distribution terms, the confidence target); `terms` (None: 0.1 CE + 0.9 L1); `confidence_alpha`: the BCE term's weight; the slots'
-    weights: 'decay' (`gamma`, None: 4) or 'dpace' (`dpace_alpha`). `selector_alpha` (DFlash2's) is ignored."""
+    weights: 'decay' (`gamma`, None: 4) or 'dpace' (`dpace_alpha`); `teacher_transform`: the target's `(mult, cap)` (None: the
+    drafter's). `selector_alpha` (DFlash2's) is ignored."""
     if loss not in ('decay', 'dpace'): raise ValueError(f"loss={loss!r}: 'decay' or 'dpace'")
     weights = _terms(terms, final_hidden)
     h, labels, anchors, anchor_valid = _slot_states(self, hidden_states, input_ids, loss_mask, anchors, anchor_valid, num_anchors,
@@ -210,7 +211,8 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
         names = ('ce',) + tuple(n for n in weights if n != 'ce') + (('tv',) if teacher is not None and 'tv' not in weights else ())
         (mult, cap), (W, b, y, ids) = self.logit_transform, _scored_head(self, lk, vocab)
         W2 = self.markov_head.markov_w2.weight if ids is None else self.markov_head.markov_w2.weight[ids]
-        t, hit = head_terms(hk, W, b, y, teacher, names, chunk, mult, cap, lambda i, j: F.linear(e[i:j], W2))[:2]
+        t, hit = head_terms(hk, W, b, y, teacher, names, chunk, mult, cap, lambda i, j: F.linear(e[i:j], W2),
+                            teacher_transform=teacher_transform)[:2]
         hits[keep] = hit
         w, norm = _loss_weights(labels, t[:, 0], loss, 4.0 if gamma is None else gamma, dpace_alpha)
         total, mean = term_loss(t, names, weights, w), lambda x: x.detach() / norm

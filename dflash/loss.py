@@ -203,15 +203,17 @@ def row_terms(z, y, zt=None, names=('ce',)):
 # %% ../nbs/loss.ipynb #77d5ba8a
 from torch.utils.checkpoint import checkpoint
 
-def head_terms(h, W, b, labels, teacher=None, names=('ce',), chunk=4096, mult=1.0, cap=None, extra=None, topk=0):
+def head_terms(h, W, b, labels, teacher=None, names=('ce',), chunk=4096, mult=1.0, cap=None, extra=None, topk=0, teacher_transform=None):
     """`(terms [N, len(names)] fp32, argmax hits [N], top)` of rows `h` [N, H] through the head `W`, `b` (then `_softcap(., mult, cap)`), against
     `labels` [N] and, for the distribution terms, the target's logits from its final states `teacher` [N, H] through the same head.
     Chunk by chunk, each chunk checkpointed when grad is enabled; `extra(i, j)`: logits to add to rows i..j-1 (differentiable). With
-    `topk`, also each row's top-k logits and their row indices `(values, indices)` (no gradient; DFlash2's candidates), else None."""
+    `topk`, also each row's top-k logits and their row indices `(values, indices)` (no gradient; DFlash2's candidates), else None.
+    `teacher_transform`: the target's own `(mult, cap)` for its logits (None: the drafter's, `mult`, `cap`)."""
+    tmult, tcap = (mult, cap) if teacher_transform is None else teacher_transform
     def part(i, hc, yc, tc):
         z = _softcap(F.linear(hc.to(W.dtype), W, b).float(), mult, cap)
         if extra is not None: z = z + extra(i, i + len(yc)).float()
-        zt = None if tc is None else _softcap(F.linear(tc.to(W.dtype), W, b).float(), mult, cap)
+        zt = None if tc is None else _softcap(F.linear(tc.to(W.dtype), W, b).float(), tmult, tcap)
         t = row_terms(z, yc, zt, names)
         top = z.detach().topk(topk, -1) if topk else (z.new_zeros(len(yc), 0), yc.new_zeros(len(yc), 0))
         return torch.stack([t[n] for n in names], -1), z.detach().argmax(-1) == yc, top[0], top[1]

@@ -277,7 +277,7 @@ def _block_states(self, hidden_states, input_ids, loss_mask, anchors=None, ancho
 
 # %% ../nbs/model.ipynb #5c4222ad
 def _head_loss(self, hk, lk, labels, keep, anchors, final_hidden=None, terms=None, chunk=4096, vocab=None, loss='decay', gamma=None,
-               dpace_alpha=0.5, topk=0):
+               dpace_alpha=0.5, topk=0, teacher_transform=None):
     """The head's part of the loss over the labelled rows `hk`, `lk`: `(weighted sum, denominator, row weights, CE, hits, top, info)`.
     `terms` (a `parse_terms` spec, None: CE): CE alone runs through `HeadCE`; any other mix through `head_terms`, the target's
     distribution read from `final_hidden` [b, S, H] along the blocks. `info`: each term's weighted mean and, when the target's
@@ -293,7 +293,7 @@ def _head_loss(self, hk, lk, labels, keep, anchors, final_hidden=None, terms=Non
     teacher = None if final_hidden is None else along_blocks(final_hidden, anchors, keep)
     names = ('ce',) + tuple(n for n in weights if n != 'ce') + (('tv',) if teacher is not None and 'tv' not in weights else ())
     (mult, cap), (W, b, y, ids) = self.logit_transform, _scored_head(self, lk, vocab)
-    t, hit, top = head_terms(hk, W, b, y, teacher, names, chunk, mult, cap, topk=min(topk, len(W)))
+    t, hit, top = head_terms(hk, W, b, y, teacher, names, chunk, mult, cap, topk=min(topk, len(W)), teacher_transform=teacher_transform)
     if top is not None and ids is not None: top = (top[0], ids[top[1]])
     w, norm = _loss_weights(labels, t[:, 0], loss, gamma, dpace_alpha)
     info = dict(terms={n: (w * t[:, i]).sum().detach() / norm for i, n in enumerate(names) if n in weights})
@@ -302,10 +302,11 @@ def _head_loss(self, hk, lk, labels, keep, anchors, final_hidden=None, terms=Non
 
 def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_valid=None, num_anchors=512,
              generator=None, gamma=None, attn_impl=None, chunk=4096, return_logits=False, attn_chunk=64, vocab=None,
-             loss='decay', dpace_alpha=0.5, selector_alpha=1.0, final_hidden=None, terms=None):
+             loss='decay', dpace_alpha=0.5, selector_alpha=1.0, final_hidden=None, terms=None, teacher_transform=None):
     """Training forward: every block of every sequence at once; returns a `DFlashOutput`. `vocab`: score only these head rows (and
     the labels'). `loss`: the slots' weights, 'decay' (`gamma`) or 'dpace' (`dpace_alpha`); `terms`: what each slot is scored by
-    (`parse_terms`; None: CE), with the target's `final_hidden` states for a distribution term; `selector_alpha`: DFlash2's selector term."""
+    (`parse_terms`; None: CE), with the target's `final_hidden` states for a distribution term (its logits through the head and
+    `teacher_transform`, the target's `(mult, cap)`; None: the drafter's `logit_transform`); `selector_alpha`: DFlash2's selector term."""
     if loss not in ('decay', 'dpace'): raise ValueError(f"loss={loss!r}: 'decay' or 'dpace'")
     h, labels, anchors, anchor_valid = _block_states(self, hidden_states, input_ids, loss_mask, anchors, anchor_valid, num_anchors,
                                                      generator, attn_impl, attn_chunk)
@@ -315,7 +316,7 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
     slot = lambda x: torch.zeros(labels.shape, device=dev).masked_scatter(keep, x.float())
     if len(lk):
         total, norm, w, ce, hit, top, info = _head_loss(self, hk, lk, labels, keep, anchors, final_hidden, terms, chunk, vocab, loss,
-                                                        gamma, dpace_alpha, self._selector_k)
+                                                        gamma, dpace_alpha, self._selector_k, teacher_transform)
         if top is None: hits[keep] = hit
         else:                                                            # DFlash2: the selector's term, counts and hits
             sel_ce, has, sel_hit = self.selector_rows(hk, along_blocks(input_ids, anchors, keep), top, lk)

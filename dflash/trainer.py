@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from .core import append_jsonl
-from .taps import load_target_io, peak_mem_bytes
+from .taps import load_target_io, load_target_config, logit_transform, peak_mem_bytes
 from .model import feature_scale_of
 from .blocks import anchor_generator
 from .loss import tail_sample
@@ -46,6 +46,7 @@ class Trainer:
         self.model = drafter_class(c)(c).to(device)
         emb, head = io or load_target_io(cfg.target, torch.bfloat16 if device.type == 'cuda' else torch.float32, device)
         self.model.attach_target(embed_tokens=emb, lm_head=head)
+        self.teacher_transform = logit_transform(load_target_config(cfg.target))   # the target's own logits, for a distribution term
         if vocab is None and cfg.train_vocab: vocab = frequent_labels(cfg, head.weight.shape[0])[0]
         self.vocab = None if vocab is None else vocab.to(device)
         self.step, self.tokens, self.skipped, self.resumed_from, self.scaled = 0, 0, 0, None, not cfg.precondition
@@ -134,7 +135,7 @@ def _micro_step(self, item, last):
         o = net(item['hidden_states'], item['input_ids'], item['loss_mask'], num_anchors=self.cfg.num_anchors,
                 generator=anchor_generator(self.cfg.seed, self.d, item['p']), vocab=vocab,
                 loss=self.cfg.loss, dpace_alpha=self.cfg.dpace_alpha, selector_alpha=self.cfg.selector_alpha,
-                final_hidden=item.get('final_hidden'), terms=self.cfg.loss_terms)
+                final_hidden=item.get('final_hidden'), terms=self.cfg.loss_terms, teacher_transform=self.teacher_transform)
     (o.loss / self.cfg.grad_accum).backward()
     return o
 

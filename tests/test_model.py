@@ -427,3 +427,31 @@ def test_causal_flag_for_servers():
     with pytest.warns(UserWarning, match='without a top-level is_causal'):    # a checkpoint whose flags disagree: the reference's rule, said
         c = DFlashConfig(**{**sl.to_dict(), 'dflash_config': {**sl.dflash_config, 'causal': False}})
     assert c.causal_layers == [True, True] and c.dflash_config['causal'] is True
+
+
+@pytest.mark.parametrize('kind', ['granite', 'gemma2'])
+def test_a_distribution_term_reads_the_targets_own_logits(kind):
+    """A target whose logits are its head's transformed (Granite divides by `logits_scaling`, Gemma2 soft-caps): with the target's
+    transform (`teacher_transform`, what the trainer passes), the KL term is against the target's real logits, position for position."""
+    from transformers import GraniteConfig, Gemma2Config
+    from dflash.taps import logit_transform
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, max_position_embeddings=256)
+    cfg = GraniteConfig(**common, logits_scaling=4.0) if kind == 'granite' else Gemma2Config(**common, final_logit_softcapping=0.05)
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(cfg).eval()
+    d = DFlashDraftModel(drafter_config(cfg, 1, 4, 96, [0, 1])).attach_target(target)
+    ids = torch.randint(0, 96, (1, 24)); lm = torch.ones_like(ids)
+    with torch.no_grad():
+        o = target(ids, output_hidden_states=True)
+        hs = torch.cat([o.hidden_states[1], o.hidden_states[2]], -1)        # the taps: layers 0 and 1's outputs
+        anchors = torch.tensor([[3, 9, 15]])
+        out = d(hs, ids, lm, anchors=anchors, terms='kl', final_hidden=o.hidden_states[-1], teacher_transform=logit_transform(cfg),
+                return_logits=True)
+        plain = d(hs, ids, lm, anchors=anchors, terms='kl', final_hidden=o.hidden_states[-1], return_logits=True)
+    keep = out.labels != -100
+    r, a, k = keep.nonzero().T
+    want = F.kl_div(out.logits[keep].float().log_softmax(-1), o.logits[r, anchors[r, a] + k].float().softmax(-1), reduction='none').sum(-1)
+    w = slot_weights(4).expand_as(keep)[keep]
+    assert torch.allclose(out.loss, (w * want).sum() / w.sum(), atol=1e-5)
+    assert not torch.allclose(plain.loss, out.loss, atol=1e-4), "the drafter's own transform is not the target's here"

@@ -82,7 +82,8 @@ def _layers(c):
     full = f"{n_full} full-attention layer{'s' * (n_full > 1)} (the whole context, {inside(False)} inside the block)" if n_full else ''
     return ' and '.join(filter(None, [sw, full])) + f", `layer_types` {types}"
 
-_SERVED = ('block_size', 'num_target_layers', 'layer_types', 'sliding_window', 'is_causal')
+_SERVED = ('block_size', 'num_target_layers', 'layer_types', 'sliding_window', 'is_causal', 'markov_rank', 'markov_head_type',
+           'enable_confidence_head', 'confidence_head_with_markov')
 _SERVED_DC = ('mask_token_id', 'target_layer_ids', 'use_swa', 'swa_window_size', 'causal', 'conv_kernel_size', 'conv_group_size',
               'selector_rank', 'selector_top_k')
 
@@ -98,11 +99,16 @@ def model_card(path, training='', tau=None, measured='', temperature=None, tau_s
     and tau: `tau` {drafter: tau at T = 0}, and `tau_sampled` {drafter: tau} at `temperature` when measured."""
     c = json.loads((Path(path) / 'config.json').read_text())
     dc, target = c['dflash_config'], c.get('target_model') or 'the target'
-    two = 'DFlash2DraftModel' in (c.get('architectures') or [])
+    two, spark = ('DFlash2DraftModel' in (c.get('architectures') or [])), 'Qwen3DSparkModel' in (c.get('architectures') or [])
+    n_draft, name = c['block_size'] if spark else c['block_size'] - 1, 'DSpark' if spark else 'DFlash2' if two else 'DFlash'
     rev = f" (revision `{c['target_revision']}`)" if c.get('target_revision') else ''
     kind = ("As DFlash2, each layer wraps its attention and its MLP in grouped dynamic causal convolutions over the block "
             f"({dc.get('conv_kernel_size')} taps, groups of {dc.get('conv_group_size')} channels), and a candidate selector re-ranks each "
             f"slot's top {dc.get('selector_top_k')} along the block (codebooks of rank {dc.get('selector_rank')}). ") if two else ''
+    if spark: kind = ("As DSpark (DeepSeek, arXiv 2607.05147), every slot of the block [anchor, mask x (B-1)] drafts; a Markov head of rank "
+                      f"{c.get('markov_rank')} adds to each slot's logits a bias from the token before it (the one just drafted)"
+                      + (", and a confidence head predicts each slot's acceptance (per-position temperatures in `sts_temperatures.json` "
+                         "when calibrated). " if c.get('enable_confidence_head') else ". "))
     hot = tau_sampled is not None and temperature is not None
     names = list(dict.fromkeys([*(tau or {}), *(tau_sampled or {} if hot else {})]))
     cell = lambda d, k: f'{d[k]:.2f}' if d and k in d else ''
@@ -111,11 +117,11 @@ def model_card(path, training='', tau=None, measured='', temperature=None, tau_s
     text = f"""---
 library_name: transformers
 base_model: {target}
-tags: [dflash, {'dflash2, ' if two else ''}speculative-decoding, draft-model]
+tags: [dflash, {'dflash2, ' if two else 'dspark, ' if spark else ''}speculative-decoding, draft-model]
 ---
-# {'DFlash2' if two else 'DFlash'} drafter for {target}
+# {name} drafter for {target}
 
-A block-diffusion drafter ([DFlash](https://github.com/z-lab/dflash)) that drafts {c['block_size'] - 1} tokens in one pass for
+A block-diffusion drafter ([DFlash](https://github.com/z-lab/dflash)) that drafts {n_draft} tokens in one pass for
 **{target}**{rev}, conditioned on the outputs of its decoder layers {dc['target_layer_ids']} (of {c.get('num_target_layers')}).
 {kind}{c['num_hidden_layers']} Qwen3-style layers, hidden size {c['hidden_size']}, block size {c['block_size']}, mask token id
 {dc['mask_token_id']}; {_layers(c)}. It borrows the target's embeddings and output head, which are not in this checkpoint.
@@ -130,9 +136,9 @@ A block-diffusion drafter ([DFlash](https://github.com/z-lab/dflash)) that draft
 {measured}
 
 ## Serving
-vLLM: `vllm serve {target} --speculative-config '{{"method": "dflash", "model": "PATH", "num_speculative_tokens": {c['block_size'] - 1}}}'`
+vLLM: `vllm serve {target} --speculative-config '{{"method": "{'dspark' if spark else 'dflash'}", "model": "PATH", "num_speculative_tokens": {n_draft}}}'`
 
-SGLang: `python -m sglang.launch_server --model {target} --speculative-algorithm DFLASH --speculative-draft-model-path PATH`
+SGLang: `python -m sglang.launch_server --model {target} --speculative-algorithm {'DSPARK' if spark else 'DFLASH'} --speculative-draft-model-path PATH`
 {'''
 DFlash2 is chosen by `architectures`, with the same method: vLLM needs a build with vllm-project/vllm#52816; SGLang's
 support is sgl-project/sglang#35371.

@@ -119,6 +119,8 @@ def test_a_dspark_run_trains_saves_as_served_and_drafts_losslessly(w, tmp_path):
     c = json.loads((tmp_path / 'ds/drafter/config.json').read_text())
     assert c['architectures'] == ['Qwen3DSparkModel'] and c['block_size'] == 7 and c['markov_rank'] == 256 and c['enable_confidence_head']
     with safe_open(tmp_path / 'ds/drafter/model.safetensors', 'pt') as f: keys = set(f.keys())
+    card = (tmp_path / 'ds/drafter/README.md').read_text()
+    assert '# DSpark drafter' in card and '"method": "dspark"' in card and '"num_speculative_tokens": 7' in card and 'DSPARK' in card
     assert {'markov_head.markov_w1.weight', 'markov_head.markov_w2.weight', 'confidence_head.proj.weight', 'fc.weight'} <= keys
     target = load_target(str(w / 'target')).eval()
     d = load_drafter(tmp_path / 'ds/drafter', target)

@@ -16,7 +16,7 @@ from huggingface_hub.dataclasses import strict
 from .blocks import _has_flex, pad_anchors, sample_anchors, block_mask, anchor_chunks, flex_block_mask
 from .loss import DFlashOutput, block_labels, _scored_head, _loss_weights, head_terms, along_blocks, term_loss
 from .loss import parse_terms, needs_target
-from .model import DFlashConfig, DFlashDraftModel, drafter_config, _acc
+from .model import DFlashConfig, DFlashDraftModel, drafter_config, _acc, _block_states
 from .dflash2 import drafter_class as _dflash_class
 
 # %% ../nbs/dspark.ipynb #79bfd891
@@ -151,27 +151,7 @@ def dspark_labels(input_ids, loss_mask, anchors, valid, block_size):
     lab = block_labels(input_ids, loss_mask, anchors, valid, block_size + 1)       # tokens a+1 .. a+B, each on its own
     return lab.masked_fill((lab == -100).int().cummax(-1).values.bool(), -100)
 
-# %% ../nbs/dspark.ipynb #895a6c02
-def _slot_states(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_valid=None, num_anchors=512, generator=None,
-                 attn_impl=None, attn_chunk=64):
-    "Every block of every sequence in one pass: `(final states of all B slots [b, A, B, H], labels [b, A, B], anchors, anchor_valid)`."
-    b, S = input_ids.shape
-    B, dev = self.block_size, input_ids.device
-    if anchors is None: anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
-    elif not torch.is_tensor(anchors): anchors, anchor_valid = pad_anchors(anchors, dev)
-    anchor_valid = torch.ones_like(anchors, dtype=torch.bool) if anchor_valid is None else anchor_valid.bool().to(dev)
-    anchors = anchors.to(dev).masked_fill(~anchor_valid, 0)
-    ctx = self.context(hidden_states)                                          # [b, S, H]
-    h = self.embed(self.noise_ids(input_ids.gather(1, anchors)).flatten(1))    # [b, A*B, H]
-    pos = (anchors[..., None] + torch.arange(B, device=dev)).flatten(1)
-    if attn_impl is None: attn_impl = 'flex' if input_ids.is_cuda and _has_flex() else 'sdpa'
-    make = lambda w, c: flex_block_mask(anchors, S, B, w, c) if attn_impl == 'flex' else anchor_chunks(anchors, S, B, attn_chunk, w, c)
-    masks = {m: make(*m) for m in set(self.config.layer_masks)}
-    rope, ctx_rope = self.rotary_emb(h, pos), self.rotary_emb(ctx, torch.arange(S, device=dev).expand(b, S))
-    for layer, m in zip(self.layers, self.config.layer_masks):
-        h = layer(h, rope, *layer.self_attn.kv(ctx, ctx_rope), masks[m])
-    h = self.norm(h).view(b, anchors.shape[1], B, -1)
-    return h, dspark_labels(input_ids, loss_mask, anchors, anchor_valid, B), anchors, anchor_valid
+DSparkDraftModel.block_labels = lambda self, input_ids, loss_mask, anchors, valid: dspark_labels(input_ids, loss_mask, anchors, valid, self.block_size)
 
 # %% ../nbs/dspark.ipynb #3bb1da06
 PAPER = {'ce': 0.1, 'l1': 0.9}          # the paper's terms; the confidence term's weight is `confidence_alpha` (1.0)
@@ -200,7 +180,7 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
     drafter's). `selector_alpha` (DFlash2's) is ignored."""
     if loss not in ('decay', 'dpace'): raise ValueError(f"loss={loss!r}: 'decay' or 'dpace'")
     weights = _terms(terms, final_hidden)
-    h, labels, anchors, anchor_valid = _slot_states(self, hidden_states, input_ids, loss_mask, anchors, anchor_valid, num_anchors,
+    h, labels, anchors, anchor_valid = _block_states(self, hidden_states, input_ids, loss_mask, anchors, anchor_valid, num_anchors,
                                                     generator, attn_impl, attn_chunk)
     keep, dev = labels != -100, h.device
     hk, lk, e = h[keep], labels[keep], self.markov_head.markov_w1(along_blocks(input_ids, anchors, keep))   # W1 of each true previous token
@@ -233,32 +213,6 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
                         labels=labels, hits=hits, **extra)
 
 DSparkDraftModel.forward = _forward
-
-# %% ../nbs/dspark.ipynb #ab822975
-@torch.no_grad()
-def _draft_states(self, context_hidden, last_token, start_pos=None, cache=None):
-    """Append `context_hidden` [b, new, n*H] (taps of the positions after those cached) to `cache`, then run the block at `start_pos`
-    whose slot 0 is `last_token` [b]. Returns the final states [b, B, H] of all its slots, slot k for the token at start_pos + k + 1."""
-    cache = self.new_cache() if cache is None else cache
-    n0, new = len(cache), 0 if context_hidden is None else context_hidden.shape[1]
-    start_pos = n0 + new if start_pos is None else start_pos
-    if n0 + new != start_pos:
-        raise ValueError(f"draft at start_pos={start_pos} needs the context of positions 0..{start_pos - 1}; "
-                         f"the cache holds {n0} and {new} new were given")
-    if new:
-        ctx = self.context(context_hidden)
-        rope = self.rotary_emb(ctx, torch.arange(n0, n0 + new, device=ctx.device).expand(ctx.shape[0], -1))
-        for i, layer in enumerate(self.layers): cache.append(i, *layer.self_attn.kv(ctx, rope))
-    last_token = torch.as_tensor(last_token, device=self.fc.weight.device).reshape(-1)
-    h = self.embed(self.noise_ids(last_token))
-    rope = self.rotary_emb(h, (start_pos + torch.arange(self.block_size, device=h.device)).expand(h.shape[0], -1))
-    for i, (layer, (w, causal)) in enumerate(zip(self.layers, self.config.layer_masks)):
-        n = cache.k[i].shape[2]                  # a sliding layer's cache starts at start_pos - n: the block's anchor is n
-        mask = None if w is None and not causal else block_mask(torch.tensor([[n]], device=h.device), n, self.block_size, w, causal)
-        h = layer(h, rope, cache.k[i], cache.v[i], mask)
-    return self.norm(h)
-
-DSparkDraftModel.draft_states = _draft_states
 
 # %% ../nbs/dspark.ipynb #0a8b0656
 def _walk(self, h, anchor, pick):

@@ -205,6 +205,9 @@ class DFlashDraftModel(PreTrainedModel):
     mask_token_id = property(lambda self: self.config.mask_token_id)
     target_layer_ids = property(lambda self: self.config.target_layer_ids)
     draft_len = property(lambda self: self.block_size - 1, doc='Tokens drafted per block: slots 1..B-1 (slot 0 holds the last committed token).')
+    def block_labels(self, input_ids, loss_mask, anchors, valid):
+        "The labels [b, A, draft_len] of the drafted slots of the blocks at `anchors` (`dflash.loss.block_labels`: slot k, token a+k)."
+        return block_labels(input_ids, loss_mask, anchors, valid, self.block_size)
 
     @property
     def logit_transform(self):
@@ -255,7 +258,8 @@ def _acc(correct, count): return correct / count.clamp_min(1)
 
 def _block_states(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_valid=None, num_anchors=512, generator=None,
                   attn_impl=None, attn_chunk=64):
-    "Every block of every sequence in one pass: `(final states of slots 1..B-1 [b, A, B-1, H], labels [b, A, B-1], anchors, anchor_valid)`."
+    """Every block of every sequence in one pass: `(final states of the drafted slots [b, A, draft_len, H] (DFlash: 1..B-1), their
+    `block_labels`, anchors, anchor_valid)`."""
     b, S = input_ids.shape
     B, dev = self.block_size, input_ids.device
     if anchors is None: anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
@@ -272,8 +276,8 @@ def _block_states(self, hidden_states, input_ids, loss_mask, anchors=None, ancho
     rope, ctx_rope = self.rotary_emb(h, pos), self.rotary_emb(ctx, torch.arange(S, device=dev).expand(b, S))
     for layer, m in zip(self.layers, self.config.layer_masks):
         h = layer(h, rope, *layer.self_attn.kv(ctx, ctx_rope), masks[m])
-    h = self.norm(h).view(b, A, B, -1)[:, :, 1:]                         # slots 1..B-1
-    return h, block_labels(input_ids, loss_mask, anchors, anchor_valid, B), anchors, anchor_valid
+    h = self.norm(h).view(b, A, B, -1)[:, :, B - self.draft_len:]       # the drafted slots: DFlash's 1..B-1
+    return h, self.block_labels(input_ids, loss_mask, anchors, anchor_valid), anchors, anchor_valid
 
 # %% ../nbs/model.ipynb #5c4222ad
 def _head_loss(self, hk, lk, labels, keep, anchors, final_hidden=None, terms=None, chunk=4096, vocab=None, loss='decay', gamma=None,
@@ -385,7 +389,7 @@ class DraftCache:
 @torch.no_grad()
 def _draft_states(self, context_hidden, last_token, start_pos=None, cache=None):
     """Append `context_hidden` [b, new, n*H] (taps of the positions after those cached) to `cache`, then run the block at
-    `start_pos` whose slot 0 is `last_token` [b]. Returns the final states [b, B-1, H] of its slots 1..B-1."""
+    `start_pos` whose slot 0 is `last_token` [b]. Returns the final states [b, draft_len, H] of its drafted slots (DFlash: 1..B-1)."""
     cache = self.new_cache() if cache is None else cache
     n0, new = len(cache), 0 if context_hidden is None else context_hidden.shape[1]
     start_pos = n0 + new if start_pos is None else start_pos
@@ -404,7 +408,7 @@ def _draft_states(self, context_hidden, last_token, start_pos=None, cache=None):
         n = cache.k[i].shape[2]                  # a sliding layer's cache starts at start_pos - n: the block's anchor is n
         mask = None if w is None and not causal else block_mask(torch.tensor([[n]], device=h.device), n, self.block_size, w, causal)
         h = layer(h, rope, cache.k[i], cache.v[i], mask)
-    return self.norm(h)[:, 1:]
+    return self.norm(h)[:, self.block_size - self.draft_len:]
 
 @torch.no_grad()
 def _draft(self, context_hidden, last_token, start_pos=None, cache=None):

@@ -210,6 +210,7 @@ def head_terms(h, W, b, labels, teacher=None, names=('ce',), chunk=4096, mult=1.
     `topk`, also each row's top-k logits and their row indices `(values, indices)` (no gradient; DFlash2's candidates), else None.
     `teacher_transform`: the target's own `(mult, cap)` for its logits (None: the drafter's, `mult`, `cap`)."""
     tmult, tcap = (mult, cap) if teacher_transform is None else teacher_transform
+    chunk = min(chunk, max(1, (1 << 26) // max(len(W), 1)))      # at most 2^26 logits a chunk: each term holds several such tensors
     def part(i, hc, yc, tc):
         z = _softcap(F.linear(hc.to(W.dtype), W, b).float(), mult, cap)
         if extra is not None: z = z + extra(i, i + len(yc)).float()

@@ -294,14 +294,15 @@ def _reached(hits, labelled):
     before = torch.cat([torch.ones_like(hits[:, :1]), hits[:, :-1]], 1).bool().cumprod(-1).bool()
     return before & labelled.bool()
 
-def sts_fit(logits, hits, labelled, grid=None):
+def sts_fit(logits, hits, labelled, grid=None, min_blocks=32):
     """Per-position temperatures T_k of confidence `logits` [N, n] (the head's, before any scaling): at each slot, the T of `grid` (default
-    121 points, e^-3..e^3) minimizing the BCE of sigmoid(logit / T) against `hits` [N, n] over the blocks that reached it (1 where none did)."""
+    121 points, e^-3..e^3) minimizing the BCE of sigmoid(logit / T) against `hits` [N, n] over the blocks that reached it; 1 where fewer
+    than `min_blocks` did (too few to fit: a slot only a handful of blocks reach would get a temperature at the grid's edge)."""
     grid = torch.exp(torch.linspace(-3, 3, 121, dtype=torch.float64)) if grid is None else grid
     ok, T = _reached(hits, labelled), []
     for k in range(logits.shape[1]):
         z, y = logits[ok[:, k], k].double(), hits[ok[:, k], k].double()
-        T.append(float(grid[torch.stack([F.binary_cross_entropy_with_logits(z / t, y) for t in grid]).argmin()]) if len(z) else 1.0)
+        T.append(float(grid[torch.stack([F.binary_cross_entropy_with_logits(z / t, y) for t in grid]).argmin()]) if len(z) >= min_blocks else 1.0)
     return T
 
 def survival_ece(probs, hits, labelled, bins=10):

@@ -193,7 +193,10 @@ class OnlineSource(Feeder):
             t = self.srcs[p % len(self.srcs)]; k = link(t, self.d)
             c.wait_until(lambda: c.count(f'sent/{k}') > got[t] or c.stopping())
             if c.stopping() and c.count(f'sent/{k}') <= got[t]: return
-            q, hs, ids, lm, lengths, fin = recv_batch(self.pg, t, self.device)
+            try: q, hs, ids, lm, lengths, fin = recv_batch(self.pg, t, self.device)
+            except RuntimeError:
+                if c.stopping(): return          # stopping: a target may leave with a batch in flight, which is dropped
+                raise
             if q != p: raise RuntimeError(f'drafter {self.d}: expected micro-batch {p} from {c.name(t)}, got {q}')
             got[t] += 1
             self.put(dict(p=p, hidden_states=hs, input_ids=ids, loss_mask=lm, tokens=int(lengths.sum()), src=t,

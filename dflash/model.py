@@ -17,7 +17,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 from .taps import default_layer_ids
 from .blocks import _flex, _has_flex, pad_anchors, sample_anchors, block_mask, anchor_chunks, flex_block_mask
-from .loss import _softcap, block_labels, DFlashOutput, _head_ce, _loss_weights, _scored_head, head_terms, along_blocks, term_loss, parse_terms, needs_target
+from .loss import _softcap, block_labels, DFlashOutput, _head_ce, _loss_weights, _head_loss, along_blocks
 
 # %% ../nbs/model.ipynb #6bd87dcf
 SLIDING, FULL = 'sliding_attention', 'full_attention'
@@ -280,30 +280,6 @@ def _block_states(self, hidden_states, input_ids, loss_mask, anchors=None, ancho
     return h, self.block_labels(input_ids, loss_mask, anchors, anchor_valid), anchors, anchor_valid
 
 # %% ../nbs/model.ipynb #5c4222ad
-def _head_loss(self, hk, lk, labels, keep, anchors, final_hidden=None, terms=None, chunk=4096, vocab=None, loss='decay', gamma=None,
-               dpace_alpha=0.5, topk=0, teacher_transform=None):
-    """The head's part of the loss over the labelled rows `hk`, `lk`: `(weighted sum, denominator, row weights, CE, hits, top, info)`.
-    `terms` (a `parse_terms` spec, None: CE): CE alone runs through `HeadCE`; any other mix through `head_terms`, the target's
-    distribution read from `final_hidden` [b, S, H] along the blocks. `info`: each term's weighted mean and, when the target's
-    distribution is known, `accept_prob` = 1 - TV of each row."""
-    weights = {'ce': 1.0} if terms is None else parse_terms(terms) if isinstance(terms, str) else dict(terms)
-    if weights == {'ce': 1.0}:
-        ce, hit, top = _head_ce(self, hk, lk, chunk, vocab, topk)
-        w, norm = _loss_weights(labels, ce, loss, gamma, dpace_alpha)
-        return (w * ce).sum(), norm, w, ce, hit, top, {}
-    if final_hidden is None and needs_target(weights):
-        raise ValueError(f"loss terms {weights} need the target's distribution: train from an extraction with its final hidden states "
-                         "(final_hidden=True), or online, where the target ranks send them")
-    teacher = None if final_hidden is None else along_blocks(final_hidden, anchors, keep)
-    names = ('ce',) + tuple(n for n in weights if n != 'ce') + (('tv',) if teacher is not None and 'tv' not in weights else ())
-    (mult, cap), (W, b, y, ids) = self.logit_transform, _scored_head(self, lk, vocab)
-    t, hit, top = head_terms(hk, W, b, y, teacher, names, chunk, mult, cap, topk=min(topk, len(W)), teacher_transform=teacher_transform)
-    if top is not None and ids is not None: top = (top[0], ids[top[1]])
-    w, norm = _loss_weights(labels, t[:, 0], loss, gamma, dpace_alpha)
-    info = dict(terms={n: (w * t[:, i]).sum().detach() / norm for i, n in enumerate(names) if n in weights})
-    if teacher is not None: info['accept_prob'] = 1 - t[:, names.index('tv')].detach()
-    return term_loss(t, names, weights, w), norm, w, t[:, 0], hit, top, info
-
 def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_valid=None, num_anchors=512,
              generator=None, gamma=None, attn_impl=None, chunk=4096, return_logits=False, attn_chunk=64, vocab=None,
              loss='decay', dpace_alpha=0.5, selector_alpha=1.0, final_hidden=None, terms=None, teacher_transform=None):

@@ -13,7 +13,7 @@ from functools import partial
 import torch
 from transformers.cache_utils import DynamicCache
 from .taps import tap_layers, tapped
-from .cache import _ids, croppable, crop, snapshot, restore, recurrent_mixers, rollback
+from .cache import _ids, length, croppable, crop, snapshot, restore, recurrent_mixers, rollback
 from .tree import Tree, build_tree, tree_inputs, follow, leaf_paths
 
 # %% ../nbs/verify.ipynb #cd0415f2
@@ -26,7 +26,7 @@ def _chain_step(target, drafter, cache, tokens, taps, k, warp, generator, rule, 
     """One chain step: draft up to `k` tokens, verify them in one forward, roll the cache back past the rejected ones. Returns (the
     accepted drafted tokens, the target's own next token, how many were drafted, the taps of the committed block positions)."""
     draft, q = _proposal(drafter, tokens, taps, k, warp, generator)
-    snap = snapshot(cache) if draft and not croppable(cache) else cache.get_seq_length()
+    snap = snapshot(cache) if draft and not croppable(cache) else length(cache)
     block = [tokens[-1]] + draft
     o = target(_ids(block, target.device), cache=cache, use_cache=True, output_hidden_states=hs)
     if warp: acc, nxt = rule(draft, q, warp(o.logits[0]), generator)
@@ -85,7 +85,7 @@ def verify_tree(target, cache, tree, root, hidden_states=False):
     that `crop` rolls back (attention layers only) reads the flattened tree under `tree_inputs`' mask; any other (recurrent or sliding
     layers) reads each root-to-leaf path as a row of a batch, each row from a copy of the cache. `hidden_states`: also return every
     layer's input (`rollback` replays the recurrent layers from them)."""
-    start, dev, n = cache.get_seq_length(), target.device, len(tree) + 1
+    start, dev, n = length(cache), target.device, len(tree) + 1
     tokens, kw = [int(root)] + [int(t) for t in tree.tokens], dict(cache=cache, use_cache=True, output_hidden_states=hidden_states)
     if croppable(cache):
         ids, pos, mask = tree_inputs(tree, root, start, dev)
@@ -173,7 +173,7 @@ def tree_verify_cost(target, prompt, budgets=(1, 4, 16, 64), block_size=16, reps
     base, hs, back = snapshot(cache), bool(recurrent_mixers(target, cache)), lambda: restore(cache, base)
     if logits is None: logits = (-2 * torch.arange(target.get_output_embeddings().weight.shape[0]).float().sqrt()).expand(block_size - 1, -1)
     def chain():
-        snap = snapshot(cache) if not croppable(cache) else cache.get_seq_length()
+        snap = snapshot(cache) if not croppable(cache) else length(cache)
         o = target(_ids([root] * block_size, dev), cache=cache, use_cache=True, output_hidden_states=hs)
         rollback(target, cache, snap, [root], o.hidden_states)
     trees = {N: build_tree(logits, N) for N in budgets}

@@ -425,13 +425,18 @@ class _Several:
     def load_state_dict(self, sd): [p.load_state_dict(s) for p, s in zip(self.parts, sd)]
     def get_last_lr(self): return self.parts[0].get_last_lr()
 
+def _hidden(m, vocab):
+    "Is `m` a hidden matrix, Muon's? A Linear, but not a head: onto the vocabulary (DSpark's Markov W2) or onto one logit (its confidence)."
+    return isinstance(m, torch.nn.Linear) and 1 < m.out_features != vocab
+
 def make_optimizer(model, cfg, lr_lambda):
-    "`(optimizer, scheduler)` of `cfg.optimizer` for `model`'s parameters, the learning rate `cfg.lr * lr_lambda(step)`."
+    """`(optimizer, scheduler)` of `cfg.optimizer` for `model`'s parameters, the learning rate `cfg.lr * lr_lambda(step)`. 'muon': Muon for
+    the hidden matrices, AdamW for the rest (vectors, embeddings, heads)."""
     adamw = lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     sched = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda)
     if cfg.optimizer == 'adamw':
         o = adamw(model.parameters()); return o, sched(o)
-    mats = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    mats = {id(m.weight) for m in model.modules() if _hidden(m, getattr(getattr(model, 'config', None), 'vocab_size', None))}
     two_d = [p for p in model.parameters() if id(p) in mats and p.ndim == 2]
     rest = [p for p in model.parameters() if id(p) not in mats]
     opts = [Muon(two_d, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn='match_rms_adamw'), adamw(rest)]

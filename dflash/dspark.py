@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from huggingface_hub.dataclasses import strict
 from .blocks import _has_flex, pad_anchors, sample_anchors, block_mask, anchor_chunks, flex_block_mask
-from .loss import DFlashOutput, block_labels, _scored_head, _loss_weights, head_terms, along_blocks, term_loss
+from .loss import DFlashOutput, block_labels, _scored_head, rows_loss, along_blocks
 from .loss import parse_terms, needs_target
 from .model import DFlashConfig, DFlashDraftModel, drafter_config, _acc, _block_states
 from .dflash2 import drafter_class as _dflash_class
@@ -191,11 +191,9 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
         names = ('ce',) + tuple(n for n in weights if n != 'ce') + (('tv',) if teacher is not None and 'tv' not in weights else ())
         (mult, cap), (W, b, y, ids) = self.logit_transform, _scored_head(self, lk, vocab)
         W2 = self.markov_head.markov_w2.weight if ids is None else self.markov_head.markov_w2.weight[ids]
-        t, hit = head_terms(hk, W, b, y, teacher, names, chunk, mult, cap, lambda i, j: F.linear(e[i:j], W2),
-                            teacher_transform=teacher_transform)[:2]
-        hits[keep] = hit
-        w, norm = _loss_weights(labels, t[:, 0], loss, 4.0 if gamma is None else gamma, dpace_alpha)
-        total, mean = term_loss(t, names, weights, w), lambda x: x.detach() / norm
+        total, w, norm, t, hit, _ = rows_loss(hk, W, b, y, labels, names, weights, loss, 4.0 if gamma is None else gamma, dpace_alpha,
+                                              teacher, chunk, mult, cap, (e, W2), teacher_transform=teacher_transform)
+        hits[keep], mean = hit, lambda x: x.detach() / norm
         extra['terms'] = {n: mean((w * t[:, i]).sum()) for i, n in enumerate(names) if n in weights}
         if teacher is not None: extra['accept_prob'] = slot(1 - t[:, names.index('tv')].detach())
         if self.confidence_head is not None:

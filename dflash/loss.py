@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['GAMMA', 'TERMS', 'block_labels', 'slot_weights', 'DFlashOutput', 'HeadCE', 'dpace_weights', 'tail_sample',
-           'parse_terms', 'needs_target', 'row_terms', 'head_terms', 'along_blocks', 'term_loss']
+           'parse_terms', 'needs_target', 'row_terms', 'head_terms', 'along_blocks', 'term_loss', 'HeadTerms',
+           'weighted_terms', 'rows_loss']
 
 # %% ../nbs/loss.ipynb #a34bb25a
 import math
@@ -238,11 +239,87 @@ def term_loss(terms, names, weights, w):
     "The weighted sum over rows (weights `w` [N], e.g. `_loss_weights`') and over terms (`weights` {name: weight}) of `terms` [N, len(names)]."
     return sum(weights.get(n, 0.0) * (w * terms[:, i]).sum() for i, n in enumerate(names) if weights.get(n, 0.0))
 
+# %% ../nbs/loss.ipynb #51161a27
+def _dterms(z, y, zt, names, weights):
+    "`(terms [c, len(names)], d(sum_n weights[n] * term_n)/dz [c, V])` of fp32 logits `z`, labels `y`, the target's logits `zt` (or None)."
+    t, c = row_terms(z, y, zt, names), lambda n: weights.get(n, 0.0)
+    p = z.softmax(-1); g = p * c('ce')
+    g[torch.arange(len(y), device=y.device), y] -= c('ce')
+    if zt is not None and any(c(n) for n in ('kl', 'tv', 'l1', 'lk')):
+        pt = zt.float().softmax(-1)
+        lam = torch.exp(-3 * (1 - 0.5 * (p - pt).abs().sum(-1)))[:, None] if c('lk') else 0.0
+        a_kl, a_tv = c('kl') + c('lk') * lam, c('tv') + 2 * c('l1') + c('lk') * (1 - lam)
+        if torch.is_tensor(a_kl) or a_kl: g += a_kl * (p - pt)
+        if torch.is_tensor(a_tv) or a_tv:
+            s = 0.5 * torch.sign(p - pt)
+            g += a_tv * p * (s - (p * s).sum(-1, keepdim=True))
+    return torch.stack([t[n] for n in names], -1), g
+
+class HeadTerms(torch.autograd.Function):
+    """sum_rows w * sum_n weights[n] * term_n of rows `h` [N, H] through the head `W`, `b` (+ the Markov logits e W2ᵀ), chunk by chunk,
+    with the gradient in `h`, `e`, `W2` made in the forward. Also the terms [N, len(names)], the argmax hits and the top-k (no gradient)."""
+    @staticmethod
+    def forward(ctx, h, e, W2, W, b, labels, teacher, w, weights, names, chunk, mult, cap, tmult, tcap, topk):
+        N, dev = len(labels), h.device
+        terms, hits, gh = h.new_empty(N, len(names), dtype=torch.float32), torch.empty(N, dtype=torch.bool, device=dev), torch.empty_like(h)
+        top_v, top_i = h.new_empty(N, topk, dtype=torch.float32), torch.empty(N, topk, dtype=torch.long, device=dev)
+        ge, gW2 = (None, None) if e is None else (torch.empty_like(e), torch.zeros_like(W2, dtype=torch.float32))
+        for i in range(0, N, chunk):
+            j, y = i + chunk, labels[i:i + chunk]
+            zc = _softcap(F.linear(h[i:j].to(W.dtype), W, b).float(), mult, cap)
+            z = zc if e is None else zc + F.linear(e[i:j].to(W2.dtype), W2).float()
+            zt = None if teacher is None else _softcap(F.linear(teacher[i:j].to(W.dtype), W, b).float(), tmult, tcap)
+            terms[i:j], g = _dterms(z, y, zt, names, weights)
+            hits[i:j] = z.argmax(-1) == y
+            if topk: top_v[i:j], top_i[i:j] = z.topk(topk, -1)
+            g.mul_(w[i:j].float()[:, None])
+            if e is not None: ge[i:j] = (g.to(W2.dtype) @ W2).to(e.dtype); gW2 += g.T @ e[i:j].float()
+            if cap is not None: g.mul_(1 - (zc / cap) ** 2)
+            gh[i:j] = (g.mul_(mult).to(W.dtype) @ W).to(h.dtype)
+        coef = torch.tensor([weights.get(n, 0.0) for n in names], device=dev)
+        ctx.save_for_backward(gh, ge, None if gW2 is None else gW2.to(W2.dtype))
+        ctx.mark_non_differentiable(terms, hits, top_v, top_i)
+        return (w.float()[:, None] * terms * coef).sum(), terms, hits, top_v, top_i
+
+    @staticmethod
+    def backward(ctx, dloss, *_):
+        gh, ge, gW2 = ctx.saved_tensors
+        scale = lambda g: None if g is None else g * dloss.to(g.dtype)
+        return (scale(gh), scale(ge), scale(gW2)) + (None,) * 13
+
+# %% ../nbs/loss.ipynb #19bef851
+def weighted_terms(h, W, b, labels, names, weights, w, teacher=None, chunk=4096, mult=1.0, cap=None, markov=None, topk=0, teacher_transform=None):
+    """`(loss, terms [N, len(names)], hits, top)`: the loss sum_rows w * sum_n weights[n] * term_n of rows `h` with fixed row weights `w`.
+    Training, through `HeadTerms` (each chunk once); else through `head_terms`. `markov`: `(e, W2)`, Markov logits e W2ᵀ added."""
+    tmult, tcap = (mult, cap) if teacher_transform is None else teacher_transform
+    chunk = min(chunk, max(1, (1 << 26) // max(len(W), 1)))
+    if torch.is_grad_enabled():
+        e, W2 = markov or (None, None)
+        loss, t, hit, tv, ti = HeadTerms.apply(h, e, W2, W, b, labels, teacher, w, weights, names, chunk, mult, cap, tmult, tcap, topk)
+        return loss, t, hit, (tv, ti) if topk else None
+    extra = None if markov is None else lambda i, j: F.linear(markov[0][i:j], markov[1])
+    t, hit, top = head_terms(h, W, b, labels, teacher, names, chunk, mult, cap, extra, topk, teacher_transform)
+    return term_loss(t, names, weights, w), t, hit, top
+
+
+def rows_loss(h, W, b, y, labels, names, weights, loss='decay', gamma=None, dpace_alpha=0.5, teacher=None, chunk=4096, mult=1.0, cap=None,
+              markov=None, topk=0, teacher_transform=None):
+    """`(loss, w, norm, terms, hits, top)` of the labelled rows `h` (labels `y` into `W`'s rows; `labels` [b, A, n] the blocks') under the
+    slots' weights `loss`: 'decay', known before the head, through `weighted_terms`; 'dpace', from each row's CE, through `head_terms`."""
+    if loss == 'decay':
+        w, norm = _loss_weights(labels, None, loss, gamma, dpace_alpha)
+        total, t, hit, top = weighted_terms(h, W, b, y, names, weights, w, teacher, chunk, mult, cap, markov, topk, teacher_transform)
+        return total, w, norm, t, hit, top
+    extra = None if markov is None else lambda i, j: F.linear(markov[0][i:j], markov[1])
+    t, hit, top = head_terms(h, W, b, y, teacher, names, chunk, mult, cap, extra, topk, teacher_transform)
+    w, norm = _loss_weights(labels, t[:, 0], loss, gamma, dpace_alpha)
+    return term_loss(t, names, weights, w), w, norm, t, hit, top
+
 # %% ../nbs/loss.ipynb #b7e41a20
 def _head_loss(self, hk, lk, labels, keep, anchors, final_hidden=None, terms=None, chunk=4096, vocab=None, loss='decay', gamma=None,
                dpace_alpha=0.5, topk=0, teacher_transform=None):
     """The head's part of the loss over the labelled rows `hk`, `lk`: `(weighted sum, denominator, row weights, CE, hits, top, info)`.
-    `terms` (a `parse_terms` spec, None: CE): CE alone runs through `HeadCE`; any other mix through `head_terms`, the target's
+    `terms` (a `parse_terms` spec, None: CE): CE alone runs through `HeadCE`; any other mix through `rows_loss`, the target's
     distribution read from `final_hidden` [b, S, H] along the blocks. `info`: each term's weighted mean and, when the target's
     distribution is known, `accept_prob` = 1 - TV of each row."""
     weights = {'ce': 1.0} if terms is None else parse_terms(terms) if isinstance(terms, str) else dict(terms)
@@ -256,9 +333,9 @@ def _head_loss(self, hk, lk, labels, keep, anchors, final_hidden=None, terms=Non
     teacher = None if final_hidden is None else along_blocks(final_hidden, anchors, keep)
     names = ('ce',) + tuple(n for n in weights if n != 'ce') + (('tv',) if teacher is not None and 'tv' not in weights else ())
     (mult, cap), (W, b, y, ids) = self.logit_transform, _scored_head(self, lk, vocab)
-    t, hit, top = head_terms(hk, W, b, y, teacher, names, chunk, mult, cap, topk=min(topk, len(W)), teacher_transform=teacher_transform)
+    total, w, norm, t, hit, top = rows_loss(hk, W, b, y, labels, names, weights, loss, gamma, dpace_alpha, teacher, chunk, mult, cap,
+                                            topk=min(topk, len(W)), teacher_transform=teacher_transform)
     if top is not None and ids is not None: top = (top[0], ids[top[1]])
-    w, norm = _loss_weights(labels, t[:, 0], loss, gamma, dpace_alpha)
     info = dict(terms={n: (w * t[:, i]).sum().detach() / norm for i, n in enumerate(names) if n in weights})
     if teacher is not None: info['accept_prob'] = 1 - t[:, names.index('tv')].detach()
-    return term_loss(t, names, weights, w), norm, w, t[:, 0], hit, top, info
+    return total, norm, w, t[:, 0], hit, top, info

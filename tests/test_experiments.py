@@ -60,6 +60,7 @@ BAD = {
     'data_curve-sizes-above-the-extraction': ('data_curve', ['demo', 'demo', 'sizes', '8,100', 'out', 'out'],
                                               ['sizes=8,100: 100 must be in [1, 40]', 'the extraction demo/extract holds 40 conversations'], fake_demo),
     'real_demo-optimizer': ('real_demo', ['optimizer', 'sgd', 'out', 'out'], ["optimizer='sgd': must be one of 'adamw', 'muon'"], None),
+    'real_demo-loss-terms': ('real_demo', ['loss_terms', 'ce:0.1,l2:0.9', 'out', 'out'], ["loss term 'l2' in 'ce:0.1,l2:0.9': one of ce, kl, tv, l1, lk"], None),
     'real_demo-conversations-0': ('real_demo', ['conversations', 0, 'out', 'out'],
                                   ['conversations=0: must be in [1, 2112]', 'sharegpt-train-regen.jsonl holds 2112 conversations'], None),
     'real_demo-conversations-3000': ('real_demo', ['conversations', 3000, 'out', 'out'],

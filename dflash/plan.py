@@ -81,6 +81,7 @@ class PlanConfig(Job):
     block_size: int = param(16, 'block size (the recipe: 16)', min=2)
     num_anchors: int = param(512, 'anchors per sequence (the recipe: 512)', min=1)
     layer_ids: list[int] | None = param(None, 'tapped layers; None: the DFlash rule for num_layers')
+    final_hidden: bool = param(False, "also store the target's final hidden state (a loss against its distribution): one more row a token, every layer run")
     headroom: float = param(0.15, 'fraction of GPU memory kept free', min=0, max=0.9)
 
     def check(self):
@@ -115,11 +116,12 @@ def plan(*args, **kw):
     budget = int(free // (act + (dact if job.gpus == 1 else 0))) if free > 0 else 0
     dbudget = budget if job.gpus == 1 else max(0, int((room - drafter_fixed) // dact))   # a drafter rank holds the same batches
     drafter_mem = drafter_fixed + dact * min(budget, dbudget)
-    row = len(ids) * tc.hidden_size
-    disk = {k: row * b + 5 + (4 if k == 'fp8' else 0) for k, b in STORE_BYTES.items()}   # + int32 id, uint8 mask (+ fp32 scale)
-    ft, fd = target_flops_per_token(config, ids, job.mean_length), drafter_flops_per_token(dcfg, job.mean_length, job.num_anchors)
+    rows = len(ids) + job.final_hidden                                            # the final state: a row of its own
+    disk = {k: rows * tc.hidden_size * b + 5 + (4 * (1 + job.final_hidden) if k == 'fp8' else 0) for k, b in STORE_BYTES.items()}   # + id, mask (+ scales)
+    reach = ids + [tc.num_hidden_layers - 1] if job.final_hidden else ids           # the layers the target runs
+    ft, fd = target_flops_per_token(config, reach, job.mean_length), drafter_flops_per_token(dcfg, job.mean_length, job.num_anchors)
     t = 1 if job.gpus == 1 else min(job.gpus - 1, max(1, round(job.gpus * ft / (ft + fd))))
-    return dict(target=str(job.target), params=total, layer_ids=ids, weights_gb=weights / gb, skippable_gb=2 * (sum(per_layer[max(ids) + 1:])) / gb,
+    return dict(target=str(job.target), params=total, layer_ids=ids, weights_gb=weights / gb, skippable_gb=2 * (sum(per_layer[max(reach) + 1:])) / gb,
                 fits=free > 0, activation_mb_per_1k_tokens=act * 1024 / 2**20, token_budget=budget, drafter_token_budget=dbudget,
                 drafter_params=drafter, drafter_rank_gb=drafter_mem / gb, disk_bytes_per_token=disk,
                 disk_tb={k: v * job.dataset_tokens / 1e12 for k, v in disk.items()},
@@ -137,7 +139,7 @@ def show_plan(p):
         f"drafter rank: {p['drafter_params'] / 1e9:.2f}B parameters; AdamW, the target's embedding and head, the loss's logits ({p['head_chunk_gb']:.1f} GB "
         f"a chunk) and {p['drafter_mb_per_1k_tokens']:.0f} MiB of activations per 1K tokens: {p['drafter_rank_gb']:.1f} GB at a budget of "
         f"{min(p['token_budget'], p['drafter_token_budget']):,} tokens (its own largest: {p['drafter_token_budget']:,})",
-        'disk per token: ' + ', '.join(f"{k} {v / 1e3:.1f} KB" for k, v in p['disk_bytes_per_token'].items())
+        'disk per token' + (" (the taps and the target's final state)" if j.get('final_hidden') else '') + ': ' + ', '.join(f"{k} {v / 1e3:.1f} KB" for k, v in p['disk_bytes_per_token'].items())
         + f"; for {j['dataset_tokens']:.3g} tokens: " + ', '.join(f"{k} {v:.2f} TB" for k, v in p['disk_tb'].items()),
         f"FLOPs per token of data: target {p['target_gflop_per_token']:.1f} G (to layer {max(p['layer_ids'])}), drafter {p['drafter_gflop_per_token']:.1f} G (training)",
         (f"one GPU: one target rank and one drafter rank share it (targets=1, drafters=1), the budget above counting both" if j['gpus'] == 1 else

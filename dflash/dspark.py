@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from huggingface_hub.dataclasses import strict
 from .blocks import _has_flex, pad_anchors, sample_anchors, block_mask, anchor_chunks, flex_block_mask
-from .loss import DFlashOutput, block_labels, _scored_head, rows_loss, along_blocks
+from .loss import DFlashOutput, block_labels, _scored_head, rows_loss, term_names, along_blocks
 from .loss import parse_terms, needs_target
 from .model import DFlashConfig, DFlashDraftModel, drafter_config, _acc, _block_states
 from .dflash2 import drafter_class as _dflash_class
@@ -188,7 +188,7 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
     hits, extra = torch.zeros(labels.shape, dtype=torch.bool, device=dev), {}
     if len(lk):
         teacher = None if final_hidden is None else along_blocks(final_hidden, anchors, keep)
-        names = ('ce',) + tuple(n for n in weights if n != 'ce') + (('tv',) if teacher is not None and 'tv' not in weights else ())
+        names = term_names(weights, teacher)
         (mult, cap), (W, b, y, ids) = self.logit_transform, _scored_head(self, lk, vocab)
         W2 = self.markov_head.markov_w2.weight if ids is None else self.markov_head.markov_w2.weight[ids]
         total, w, norm, t, hit, _ = rows_loss(hk, W, b, y, labels, names, weights, loss, 4.0 if gamma is None else gamma, dpace_alpha,

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['GAMMA', 'TERMS', 'block_labels', 'slot_weights', 'DFlashOutput', 'HeadCE', 'dpace_weights', 'tail_sample',
            'parse_terms', 'needs_target', 'row_terms', 'head_terms', 'along_blocks', 'term_loss', 'HeadTerms',
-           'weighted_terms', 'rows_loss']
+           'term_names', 'rows_loss']
 
 # %% ../nbs/loss.ipynb #a34bb25a
 import math
@@ -204,6 +204,11 @@ def row_terms(z, y, zt=None, names=('ce',)):
 # %% ../nbs/loss.ipynb #77d5ba8a
 from torch.utils.checkpoint import checkpoint
 
+def _row_chunk(chunk, W):
+    "Rows a chunk of `chunk` holds through head `W`: at most 2^26 logits, as each term holds several tensors of a chunk's size."
+    return min(chunk, max(1, (1 << 26) // max(len(W), 1)))
+
+
 def head_terms(h, W, b, labels, teacher=None, names=('ce',), chunk=4096, mult=1.0, cap=None, extra=None, topk=0, teacher_transform=None):
     """`(terms [N, len(names)] fp32, argmax hits [N], top)` of rows `h` [N, H] through the head `W`, `b` (then `_softcap(., mult, cap)`), against
     `labels` [N] and, for the distribution terms, the target's logits from its final states `teacher` [N, H] through the same head.
@@ -211,7 +216,7 @@ def head_terms(h, W, b, labels, teacher=None, names=('ce',), chunk=4096, mult=1.
     `topk`, also each row's top-k logits and their row indices `(values, indices)` (no gradient; DFlash2's candidates), else None.
     `teacher_transform`: the target's own `(mult, cap)` for its logits (None: the drafter's, `mult`, `cap`)."""
     tmult, tcap = (mult, cap) if teacher_transform is None else teacher_transform
-    chunk = min(chunk, max(1, (1 << 26) // max(len(W), 1)))      # at most 2^26 logits a chunk: each term holds several such tensors
+    chunk = _row_chunk(chunk, W)
     def part(i, hc, yc, tc):
         z = _softcap(F.linear(hc.to(W.dtype), W, b).float(), mult, cap)
         if extra is not None: z = z + extra(i, i + len(yc)).float()
@@ -288,28 +293,21 @@ class HeadTerms(torch.autograd.Function):
         return (scale(gh), scale(ge), scale(gW2)) + (None,) * 13
 
 # %% ../nbs/loss.ipynb #19bef851
-def weighted_terms(h, W, b, labels, names, weights, w, teacher=None, chunk=4096, mult=1.0, cap=None, markov=None, topk=0, teacher_transform=None):
-    """`(loss, terms [N, len(names)], hits, top)`: the loss sum_rows w * sum_n weights[n] * term_n of rows `h` with fixed row weights `w`.
-    Training, through `HeadTerms` (each chunk once); else through `head_terms`. `markov`: `(e, W2)`, Markov logits e W2ᵀ added."""
-    tmult, tcap = (mult, cap) if teacher_transform is None else teacher_transform
-    chunk = min(chunk, max(1, (1 << 26) // max(len(W), 1)))
-    if torch.is_grad_enabled():
-        e, W2 = markov or (None, None)
-        loss, t, hit, tv, ti = HeadTerms.apply(h, e, W2, W, b, labels, teacher, w, weights, names, chunk, mult, cap, tmult, tcap, topk)
-        return loss, t, hit, (tv, ti) if topk else None
-    extra = None if markov is None else lambda i, j: F.linear(markov[0][i:j], markov[1])
-    t, hit, top = head_terms(h, W, b, labels, teacher, names, chunk, mult, cap, extra, topk, teacher_transform)
-    return term_loss(t, names, weights, w), t, hit, top
-
+def term_names(weights, teacher):
+    "The terms a head pass computes: `ce` first (the row weights and hits read it), the weighted ones, and `tv` when the target is known."
+    return ('ce',) + tuple(n for n in weights if n != 'ce') + (('tv',) if teacher is not None and 'tv' not in weights else ())
 
 def rows_loss(h, W, b, y, labels, names, weights, loss='decay', gamma=None, dpace_alpha=0.5, teacher=None, chunk=4096, mult=1.0, cap=None,
               markov=None, topk=0, teacher_transform=None):
     """`(loss, w, norm, terms, hits, top)` of the labelled rows `h` (labels `y` into `W`'s rows; `labels` [b, A, n] the blocks') under the
-    slots' weights `loss`: 'decay', known before the head, through `weighted_terms`; 'dpace', from each row's CE, through `head_terms`."""
-    if loss == 'decay':
+    slots' weights `loss`. Training with 'decay' (weights known before the head): `HeadTerms`, each chunk once; else `head_terms` and the
+    weights from each row's CE ('dpace'). `markov`: `(e, W2)`, Markov logits e W2ᵀ added."""
+    if loss == 'decay' and torch.is_grad_enabled():
         w, norm = _loss_weights(labels, None, loss, gamma, dpace_alpha)
-        total, t, hit, top = weighted_terms(h, W, b, y, names, weights, w, teacher, chunk, mult, cap, markov, topk, teacher_transform)
-        return total, w, norm, t, hit, top
+        tmult, tcap = (mult, cap) if teacher_transform is None else teacher_transform
+        e, W2 = markov or (None, None)
+        total, t, hit, tv, ti = HeadTerms.apply(h, e, W2, W, b, y, teacher, w, weights, names, _row_chunk(chunk, W), mult, cap, tmult, tcap, topk)
+        return total, w, norm, t, hit, (tv, ti) if topk else None
     extra = None if markov is None else lambda i, j: F.linear(markov[0][i:j], markov[1])
     t, hit, top = head_terms(h, W, b, y, teacher, names, chunk, mult, cap, extra, topk, teacher_transform)
     w, norm = _loss_weights(labels, t[:, 0], loss, gamma, dpace_alpha)
@@ -331,7 +329,7 @@ def _head_loss(self, hk, lk, labels, keep, anchors, final_hidden=None, terms=Non
         raise ValueError(f"loss terms {weights} need the target's distribution: train from an extraction with its final hidden states "
                          "(final_hidden=True), or online, where the target ranks send them")
     teacher = None if final_hidden is None else along_blocks(final_hidden, anchors, keep)
-    names = ('ce',) + tuple(n for n in weights if n != 'ce') + (('tv',) if teacher is not None and 'tv' not in weights else ())
+    names = term_names(weights, teacher)
     (mult, cap), (W, b, y, ids) = self.logit_transform, _scored_head(self, lk, vocab)
     total, w, norm, t, hit, top = rows_loss(hk, W, b, y, labels, names, weights, loss, gamma, dpace_alpha, teacher, chunk, mult, cap,
                                             topk=min(topk, len(W)), teacher_transform=teacher_transform)

@@ -214,3 +214,22 @@ def _tree_children(self, context_hidden, last_token, start_pos=None, cache=None,
     return expand, h.shape[1]
 
 DFlash2DraftModel.propose_sampled, DFlash2DraftModel.tree_children = _propose_sampled, _tree_children
+
+# %% ../nbs/dflash2.ipynb #3ce9fcdd
+@torch.no_grad()
+def _tree_expander(self, h, roots, k=None):
+    """The children of the nodes of many blocks' trees under the selector, for `grow_trees`: from the blocks' drafted-slot states `h`
+    [N, L, H] and `roots` [N], `expand_many([(block, path), ...])` giving each node's candidates scored after the path's last token (the
+    root's for the root), log-softmax, best first, as `tree_children` gives them (all `selector_top_k`: `k` cuts nothing)."""
+    unary, cand = self.logits(h).topk(self.candidate_selector.top_k, -1)
+    roots = torch.as_tensor(roots, device=h.device).reshape(-1)
+    def expand(asks):
+        if not asks: return []
+        n = torch.tensor([a[0] for a in asks], device=h.device); d = torch.tensor([len(a[1]) for a in asks], device=h.device)
+        pred = torch.tensor([a[1][-1] if a[1] else int(roots[a[0]]) for a in asks], device=h.device)
+        s = self.candidate_selector.scores(h[n, d], unary[n, d], cand[n, d], pred)
+        lp, order = s.float().log_softmax(-1).sort(dim=-1, descending=True, stable=True)
+        return list(zip(cand[n, d].gather(1, order).tolist(), lp.tolist()))
+    return expand
+
+DFlash2DraftModel.tree_expander = _tree_expander

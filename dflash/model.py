@@ -435,3 +435,21 @@ def _tree_children(self, context_hidden, last_token, start_pos=None, cache=None,
     return (lambda path: (ids[len(path)][:n[len(path)]], lps[len(path)][:n[len(path)]])), len(lps)
 
 DFlashDraftModel.propose, DFlashDraftModel.propose_sampled, DFlashDraftModel.tree_children = _propose, _propose_sampled, _tree_children
+
+# %% ../nbs/model.ipynb #267b75c4
+@torch.no_grad()
+def _tree_expander(self, h, roots, k, chunk=1024):
+    """The children of the nodes of many blocks' trees, for `grow_trees`: from the blocks' drafted-slot states `h` [N, L, H] and their
+    `roots` [N] (the token before each block's first drafted slot), `expand_many([(block, path), ...])` giving each node's `k` most
+    probable next tokens and their log-probabilities, best first, as `tree_children` gives them. DFlash: slot len(path)'s, whatever
+    the path."""
+    x, lps, ids = h.reshape(-1, h.shape[-1]), [], []
+    for i in range(0, len(x), chunk):
+        z = self.logits(x[i:i + chunk]).float()
+        v, j = z.topk(min(k, z.shape[-1]), -1)
+        lps.append(v - z.logsumexp(-1, keepdim=True)); ids.append(j)
+    if not lps: return lambda asks: []
+    P, I = torch.cat(lps).view(*h.shape[:2], -1).tolist(), torch.cat(ids).view(*h.shape[:2], -1).tolist()
+    return lambda asks: [(I[n][len(p)], P[n][len(p)]) for n, p in asks]
+
+DFlashDraftModel.tree_expander = _tree_expander

@@ -19,6 +19,15 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope='session', autouse=True)
+def errors_dir(tmp_path_factory):
+    "Failed CLI calls (the tests make many on purpose) leave their tracebacks here, not in the machine's temporary folder."
+    if os.environ.get('DFLASH_ERRORS'): yield os.environ['DFLASH_ERRORS']; return
+    os.environ['DFLASH_ERRORS'] = str(tmp_path_factory.mktemp('errors'))
+    yield os.environ['DFLASH_ERRORS']
+    os.environ.pop('DFLASH_ERRORS', None)
+
+
+@pytest.fixture(scope='session', autouse=True)
 def one_thread():
     "Tiny models run fastest on one thread (and CI machines are shared); restored afterwards."
     n = torch.get_num_threads(); torch.set_num_threads(1)

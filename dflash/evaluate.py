@@ -24,7 +24,7 @@ from .dspark import drafter_class
 from .publish import check_drafter
 from .cache import _ids, recurrent_mixers
 from .sampling import sampling_probs, Sampling, _draw, speculative_sample
-from .tree import grow_tree, tree_sample
+from .tree import grow_tree, tree_sample, check_tree_budget
 from .verify import _clock, _eval_mode, _chain_step, _tree_step
 
 # %% ../nbs/evaluate.ipynb #f8aaecc3
@@ -93,6 +93,9 @@ class DFlashDrafter:
     def __init__(self, model, confidence_threshold=0.0):
         self.model, self.layer_ids, self.block_size = model, model.target_layer_ids, model.draft_len + 1   # the verify block: last token + drafts
         self.threshold = confidence_threshold
+        if confidence_threshold and getattr(model, 'confidence_head', None) is None:
+            raise ValueError(f'confidence_threshold={confidence_threshold}: this {model.config.architectures[0]} drafter has no confidence head '
+                             '(a DSpark drafter with enable_confidence_head has one): its schedule would verify every draft, as the chain does')
     def reset(self): self.cache = self.model.new_cache()
     def _inputs(self, tokens, taps):
         dev = self.model.fc.weight.device
@@ -140,6 +143,7 @@ def spec_decode(target, drafter, prompt, max_new_tokens=64, eos_token_id=None, b
     draws from `generator`, on the target's device): returns the new tokens and, per verify step, `(accepted, drafted)`. `tree_budget`
     N > 0: each step verifies the drafter's tree of N nodes instead of a chain (drafted: its nodes). `rule`: the acceptance rule at
     T > 0, `speculative_sample` (chains) or `tree_sample` (trees)."""
+    check_tree_budget(tree_budget)
     eos, dev, layer_ids = eos_ids(eos_token_id), target.device, drafter.layer_ids
     warp = Sampling(temperature, top_p, top_k) if temperature > 0 else None
     step, rule = (partial(_tree_step, budget=tree_budget), rule or tree_sample) if tree_budget else (_chain_step, rule or speculative_sample)
@@ -296,7 +300,7 @@ class TauProbe:
 class EvalConfig(Job):
     "Measure a drafter's acceptance length tau with lossless speculative decoding, against the n-gram baseline."
     target: str | None = target_param()
-    drafter: str | None = param(None, 'a DFlash or DFlash2 drafter checkpoint directory; None: the n-gram baseline alone')
+    drafter: str | None = param(None, 'a DFlash, DFlash2 or DSpark drafter checkpoint directory; None: the n-gram baseline alone')
     eval_data: str | None = param(None, 'prompt files, comma-separated (any format prepare reads); None: the held-out split')
     num_prompts: int | None = param(8, 'prompts per file; None: all', min=1)
     max_new_tokens: int = param(64, 'tokens decoded per prompt', min=1)
@@ -306,7 +310,7 @@ class EvalConfig(Job):
     top_p: float = param(1.0, 'sampling: keep the most likely tokens up to this mass', gt=0, max=1, needs=(lambda j: j.temperature > 0, 'temperature > 0'))
     top_k: int = param(0, 'sampling: keep the k most likely tokens (0: all)', min=0, needs=(lambda j: j.temperature > 0, 'temperature > 0'))
     seed: int = param(0, 'seed of the sampled decodes', min=0, needs=(lambda j: j.temperature > 0, 'temperature > 0'))
-    tree_budget: int = param(0, "also verify the drafter's DDTree of this many nodes per step, a row 'dflash tree N' (0: chains only)",
+    tree_budget: int = param(0, "also verify the drafter's DDTree of this many nodes per step, a row 'dflash tree N' (0: chains only; at most 1024)",
                              min=0, needs=(lambda j: j.drafter is not None, 'a drafter'))
     confidence_threshold: float = param(0.0, "DSpark: also a row 'dflash scheduled P' that verifies only the drafts whose survival (the running "
                                         "product of the confidence head's, calibrated) is at least P (0: none)", min=0, max=1,
@@ -318,6 +322,7 @@ class EvalConfig(Job):
         if self.out is None: self.set('out', str(RUNS / 'evaluate'), 'default')
         for f in self.files:
             if not Path(f).is_file(): raise FileNotFoundError(f'eval_data: no such file: {f}')
+        check_tree_budget(self.tree_budget, 'tree_budget')
         if self.drafter is not None and not (Path(self.drafter) / 'config.json').exists():
             raise FileNotFoundError(f'drafter: {self.drafter} is not a drafter checkpoint (no config.json)')
         return self
@@ -347,7 +352,12 @@ def evaluate_job(*args, **kw):
     job = args[0] if args and isinstance(args[0], Job) else EvalConfig(*args, **kw)
     out = claim_out(job.out, job)
     print(job.announce())
-    if job.drafter: finite_weights(job.drafter); check_drafter(drafter_class(job.drafter).config_class.from_pretrained(job.drafter), load_target_config(job.target), job.target)
+    if job.drafter:
+        finite_weights(job.drafter); dc = drafter_class(job.drafter).config_class.from_pretrained(job.drafter)
+        check_drafter(dc, load_target_config(job.target), job.target)
+        if job.confidence_threshold and not getattr(dc, 'enable_confidence_head', False):
+            raise ValueError(f'confidence_threshold={job.confidence_threshold}: {job.drafter} is a {dc.architectures[0]} drafter without a confidence '
+                             "head (DSpark's, enable_confidence_head): its 'scheduled' row would verify every draft, the chain's row again")
     tok = load_tokenizer(job.target)
     sets = {f: load_prompts(tok, f, job.num_prompts) for f in job.files}      # every file checked before any model loads
     target = load_target(job.target, job.dtype)

@@ -167,7 +167,7 @@ def tail_sample(top, vocab_size, n, generator=None):
 TERMS = ('ce', 'kl', 'tv', 'l1', 'lk')
 
 def parse_terms(spec):
-    "`{name: weight}` of a loss spec: 'ce', 'kl', 'ce:0.1,l1:0.9' (a bare name weighs 1); refuses unknown names, repeats and weights < 0."
+    "`{name: weight}` of a loss spec: 'ce', 'kl', 'ce:0.1,l1:0.9' (a bare name weighs 1); refuses unknown names, repeats, and weights that are negative or not finite."
     out = {}
     for part in filter(None, (p.strip() for p in str(spec).split(','))):
         name, _, w = part.partition(':')
@@ -176,7 +176,7 @@ def parse_terms(spec):
         if name in out: raise ValueError(f'loss term {name!r} given twice in {spec!r}')
         try: out[name] = float(w) if w.strip() else 1.0
         except ValueError: raise ValueError(f'loss term {part!r} in {spec!r}: the weight must be a number') from None
-        if not out[name] >= 0: raise ValueError(f'loss term {part!r} in {spec!r}: the weight must be >= 0')
+        if not 0 <= out[name] < math.inf: raise ValueError(f'loss term {part!r} in {spec!r}: the weight must be a finite number >= 0')
     if not out or not any(out.values()): raise ValueError(f'loss terms {spec!r}: need at least one term with a weight > 0')
     return out
 

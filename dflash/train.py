@@ -30,7 +30,7 @@ from .recipe import (TrainConfig, rank_device, resolve_mask_token, resolve_layer
                            make_optimizer, frequent_labels, resolve_arch)
 from .balance import auto_split
 from .checkpoint import latest_checkpoint, adopt_checkpoint, _resume_changes, VAL_KEYS
-from .release import _publish
+from .release import _publish, engine_runs
 from .trainer import Trainer
 
 # %% ../nbs/train.ipynb #2e07b864
@@ -154,7 +154,12 @@ def run_drafter(cfg, coord, d, plan, ds, device, group, pg, stop):
         stopped = trainer.run(src, stop.is_set, tau if probe else None, validate if validator else None)
         res = dict(step=trainer.step, total_steps=plan.total_steps, stopped=stopped, out=cfg.out)
         if stopped: coord.request_stop(stopped)
-        if d == 0 and not stopped: res.update(_publish(cfg, trainer, probe, device, validator))
+        if d == 0 and not stopped:
+            if not trainer.stepped: raise FloatingPointError(
+                f'drafter 0: the loss or the gradient was not finite at any of the run\'s {trainer.step} optimizer steps (each was skipped: the '
+                f'nonfinite events in {trainer.out / "metrics.jsonl"}), so the drafter learnt nothing and nothing is published; look at '
+                f'loss_terms={cfg.loss_terms or "ce"}, lr={cfg.lr} and the data')
+            res.update(_publish(cfg, trainer, probe, device, validator))
     if d == 0: write_json_atomic(Path(cfg.out) / 'result.json', res)
     return res
 
@@ -223,11 +228,16 @@ def _resumed(cfg, out):
 # %% ../nbs/train.ipynb #5a771464
 def _servable(cfg, tcfg):
     """Refuse what llama.cpp cannot serve of this drafter (`dflash.engine.serving_problems`), before any training, naming the setting;
-    `servable=False` turns the check off (the embedded demo, unless asked, is not checked)."""
-    if cfg.servable is False or (cfg.servable is None and cfg.demo): return
+    `servable=False` turns the check off. The embedded demo, unless asked (`servable=True`), is not refused: where the run would end
+    with the engine check (`engine_runs`), it is told at once that llama.cpp cannot serve it, and the check is turned off."""
+    if cfg.servable is False or (cfg.servable is None and cfg.demo and not engine_runs(cfg)): return
     d2 = init_config(cfg.init_from).dflash_config if cfg.init_from else None
-    if bad := serving_problems(tcfg, cfg.layer_ids, cfg.arch, d2):
-        raise ValueError('; '.join(bad) + ' (servable=False, --no-servable, trains it all the same: vLLM and SGLang may still serve it)')
+    if not (bad := serving_problems(tcfg, cfg.layer_ids, cfg.arch, d2)): return
+    if cfg.servable is None and cfg.demo and not cfg.given('engine_eval'):
+        cfg.warn('; '.join(bad) + ': the engine check at the end (engine_eval) is off for this run')
+        cfg.set('engine_eval', False, 'llama.cpp cannot serve this drafter (the start-up check)')
+        return
+    raise ValueError('; '.join(bad) + ' (servable=False, --no-servable, trains it all the same: vLLM and SGLang may still serve it)')
 
 def prepare_job(cfg):
     """Check everything, then resolve paths and layers, tokenize a ShareGPT file once (online), and set an earlier run

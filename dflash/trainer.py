@@ -6,7 +6,7 @@
 __all__ = ['lr_factor', 'Trainer']
 
 # %% ../nbs/trainer.ipynb #b7e1a004
-import math, time, warnings
+import math, sys, time, warnings
 from contextlib import nullcontext
 from pathlib import Path
 import numpy as np
@@ -50,6 +50,7 @@ class Trainer:
         if vocab is None and cfg.train_vocab: vocab = frequent_labels(cfg, head.weight.shape[0])[0]
         self.vocab = None if vocab is None else vocab.to(device)
         self.step, self.tokens, self.skipped, self.resumed_from, self.scaled = 0, 0, 0, None, not cfg.precondition
+        self.stepped = 0                                  # optimizer steps that stepped (finite loss and gradient), over the whole run
         if cfg.precondition: self.model.feature_scale = torch.ones(self.model.fc.in_features, device=device)   # measured on the first batch
         ck = latest_checkpoint(cfg.out) if cfg.resume else None
         if ck is None and cfg.init_from: load_init(self.model, cfg.init_from)
@@ -77,7 +78,7 @@ def _load(self, ck):
     except RuntimeError as e: raise ValueError(f'{ck}: its drafter does not fit this config: {str(e).splitlines()[0]}') from None
     if 'feature_scale' in st and self.model.feature_scale is not None:   # the file holds fc folded; training goes on unfolded
         self.model.feature_scale.copy_(st['feature_scale']); self.model.fc.weight.data.copy_(st['fc_weight']); self.scaled = True
-    self.step, self.tokens = st['step'], st['tokens']
+    self.step, self.tokens, self.stepped = st['step'], st['tokens'], st.get('stepped', st['step'])   # (older checkpoints: every step)
     if 'optimizer' in self.changed:                    # another optimizer's state does not fit: the new one starts fresh
         print(f"resume: optimizer {self.changed['optimizer'][0]} -> {self.cfg.optimizer}: a fresh {self.cfg.optimizer} optimizer (its "
               f"moments start at zero), at step {self.step} of the schedule", flush=True)
@@ -99,7 +100,7 @@ def _state(self):
     "What a checkpoint holds besides the drafter: enough to go on exactly."
     fs = self.model.feature_scale if self.scaled else None
     return dict(optimizer=self.opt.state_dict(), scheduler=self.sched.state_dict(), step=self.step, tokens=self.tokens,
-                micro=self.step * self.cfg.grad_accum, drafters=self.cfg.drafters, rng=torch.get_rng_state(), config=self.cfg.to_dict(),
+                micro=self.step * self.cfg.grad_accum, stepped=self.stepped, drafters=self.cfg.drafters, rng=torch.get_rng_state(), config=self.cfg.to_dict(),
                 data_sha256=self.data_sha256, **({} if fs is None else dict(feature_scale=fs, fc_weight=self.model.fc.weight.detach())))
 
 def _save(self):
@@ -143,10 +144,12 @@ def _optimizer_step(self, samples):
     "Clip and step, unless the loss or the gradient is not finite: then skip it, log it, and stop after 3 in a row."
     norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip or float('inf'))
     ok = torch.isfinite(norm).item()
-    if ok: self.opt.step(); self.skipped = 0
+    if ok: self.opt.step(); self.skipped = 0; self.stepped += 1
     else:
         self.skipped += 1
-        if self.main: append_jsonl(self.out / 'metrics.jsonl', dict(event='nonfinite', step=self.step, samples=samples, time=time.time()))
+        if self.main:
+            append_jsonl(self.out / 'metrics.jsonl', dict(event='nonfinite', step=self.step, samples=samples, time=time.time()))
+            print(f'warning: step {self.step + 1}: the loss or the gradient is not finite: the step is skipped (samples {samples[:8]})', file=sys.stderr, flush=True)
         if self.skipped >= 3: raise FloatingPointError(f'drafter {self.d}: the loss or the gradient was not finite {self.skipped} steps in a row, '
                                                      f'steps {self.step - 1} to {self.step + 1} (last samples {samples[:8]}); the run stops and '
                                                      'saves no drafter (the last complete checkpoint, if any, is kept)')

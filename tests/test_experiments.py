@@ -77,6 +77,8 @@ BAD = {
     'engine_sweep-outtype': ('engine_sweep', ['drafter', 'drafter', 'outtypes', 'f16,q4', 'out', 'out'], ["outtypes: ['q4'] not in"], fake_drafter),
     'tree_budget-budget-0': ('tree_budget', ['drafter', 'drafter', 'budgets', '0,4', 'out', 'out'], ["budgets: ['0'] are not node counts >= 1"],
                              fake_drafter),
+    'tree_budget-budget-above-the-bound': ('tree_budget', ['drafter', 'drafter', 'budgets', '16,100000', 'out', 'out'],
+                                           ['budgets=100000: a DDTree budget is a number of nodes in 0..1024'], fake_drafter),
     'tree_budget-no-drafter': ('tree_budget', ['out', 'out'], ['drafter: None is not a drafter checkpoint'], None),
     'tree_budget-lone-temperature': ('tree_budget', ['drafter', 'drafter', 'temperatures', '0.0001', 'out', 'out'],     # a number, not a string
                                      ["temperatures: ['0.0001']: 0, or at least 0.001"], fake_drafter)}

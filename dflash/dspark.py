@@ -279,6 +279,24 @@ def _tree_children(self, context_hidden, last_token, start_pos=None, cache=None,
 
 DSparkDraftModel.propose_sampled, DSparkDraftModel.tree_children = _propose_sampled, _tree_children
 
+# %% ../nbs/dspark.ipynb #3473fc69
+@torch.no_grad()
+def _tree_expander(self, h, roots, k):
+    """The children of the nodes of many blocks' trees, for `grow_trees`: from the blocks' slot states `h` [N, B, H] and their `roots` [N]
+    (each anchor's token), `expand_many([(block, path), ...])` giving each node's top min(`k`, V) of the log-softmax of U_len(path) + W2 W1[the
+    path's last token] (the root's for the root), best first, as `tree_children` gives them."""
+    U, roots = self.logits(h).float(), torch.as_tensor(roots, device=h.device).reshape(-1)
+    def expand(asks):
+        if not asks: return []
+        n = torch.tensor([a[0] for a in asks], device=h.device); d = torch.tensor([len(a[1]) for a in asks], device=h.device)
+        prev = torch.tensor([a[1][-1] if a[1] else int(roots[a[0]]) for a in asks], device=h.device)
+        once, which = prev.unique(return_inverse=True)
+        lp, top = (U[n, d] + self.markov_head(once).float()[which]).log_softmax(-1).topk(min(k, U.shape[-1]), -1)
+        return list(zip(top.tolist(), lp.tolist()))
+    return expand
+
+DSparkDraftModel.tree_expander = _tree_expander
+
 # %% ../nbs/dspark.ipynb #50df4b5d
 def drafter_class(config):
     "The drafter class of a config or a checkpoint directory, by its `architectures`: `DSparkDraftModel`, else DFlash2's or DFlash's."

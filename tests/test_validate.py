@@ -92,3 +92,34 @@ def test_best_by_a_budget_not_read_is_refused(tmp_path):
         TrainConfig(out=str(tmp_path / 'run'), best_by='val_tree_tau@16', val_tree_budgets='none')
     assert TrainConfig(out=str(tmp_path / 'run'), best_by='val_tree_tau@32', val_tree_budgets='64,32').val_tree_budgets == [32, 64]
     assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.parametrize('arch', ['dflash', 'dflash2', 'dspark'])
+def test_every_design_reads_its_tree_as_the_loop_grows_it(memorized, arch):
+    """The held-out tree of every design is grown through its own `tree_expander`, as the loop's `tree_children` grows it: the tree's
+    depth-0 spine (the root's best child) is the chain's first drafted token, so the spine's hit rate is the chain's slot-1 acceptance,
+    and the tree of budget 1 reads 1 + it. DFlash2's selector is perturbed and DSpark's Markov head trained, so that neither design's
+    children are its head's alone (a reading of the head without them parts from the chain)."""
+    from dflash.model import DFlashDraftModel, drafter_config
+    from dflash.dflash2 import DFlash2DraftModel
+    from dflash.dspark import DSparkDraftModel, dspark_config
+    from dflash.shards import collate
+    d, _ = memorized
+    target, tok = load_target(str(TINY_TARGET)), load_tokenizer(str(TINY_TARGET))
+    target = target.float()
+    torch.manual_seed(0)
+    c = drafter_config(target.config, 1, 8, tok.mask_token_id, [4])
+    model = {'dflash': lambda: DFlashDraftModel(c), 'dspark': lambda: DSparkDraftModel(dspark_config(target.config, 1, 8, tok.mask_token_id, [4])),
+             'dflash2': lambda: DFlash2DraftModel.from_dflash(DFlashDraftModel(c))}[arch]().attach_target(target)
+    xds = ExtractedDataset(d / 'v')
+    rows = [xds[i] for i in range(6)]
+    batch = collate(*(torch.cat([r[k] for r in rows]) for k in ('hidden_states', 'input_ids', 'loss_mask')), [len(r['input_ids']) for r in rows])
+    opt, g = torch.optim.AdamW(model.parameters(), lr=3e-3), torch.Generator().manual_seed(0)
+    for _ in range(20): model(*batch, num_anchors=32, generator=g, terms='ce').loss.backward(); opt.step(); opt.zero_grad()
+    if arch == 'dflash2':
+        with torch.no_grad(): model.candidate_selector.successor_codebook.normal_(0, 3.0)
+    model.eval()
+    r = heldout_acceptance(model, xds, max_samples=6, tree_budgets=[1, 4])
+    spine = r['val_calibration']['spine']['measured'][0]
+    assert r['val_accept'][0] > 0.05 and abs(spine - r['val_accept'][0]) < 1e-12, (r['val_accept'][0], spine)
+    assert abs(r['val_tree_tau']['1'] - (1 + r['val_accept'][0])) < 1e-12

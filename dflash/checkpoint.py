@@ -54,7 +54,7 @@ def save_checkpoint(out, step, model, state, keep=2):
 SHAPE_KEYS = ('num_layers', 'layer_ids', 'arch')      # the drafter's tensors change: no checkpoint of the old shape loads
 FIXED_KEYS = {'init_from': 'init_from is read when a run starts, and a resume continues from the checkpoint, never from it',
               'drafters': "each drafter rank has its own share of the data order and of the checkpoint's state"}
-VAL_KEYS = ('val_data', 'val_extracted', 'val_samples', 'val_anchors', 'val_tree_budgets')
+VAL_KEYS = ('val_data', 'val_extracted', 'val_samples', 'val_anchors', 'val_tree_budgets', 'engine_profile')
 RESUME_KEYS = {                                       # a setting `resume_changes` may let change: how the change takes effect
     'target': "compared by its config's hash (a moved folder is the same target); another target is refused",
     **dict.fromkeys(('block_size', 'mask_token_id', 'layer_types', 'sliding_window', 'is_causal'), "the drafter's config, built from the run's settings"),

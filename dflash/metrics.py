@@ -134,6 +134,7 @@ def val_line(m):
     walk = f" (loop's path {m['val_tau_walk']:.3f})" if m.get('val_tau_walk') is not None else ''
     acc = ' '.join(f'{int(round(100 * a)):02d}' for a in m['val_accept'][:4])
     trees = ''.join(f" | tree@{b} {t:.3f}" for b, t in (m.get('val_tree_tau') or {}).items())
+    if m.get('val_speedup') is not None: trees += f" | speed-up {m['val_speedup']:.2f}x drafting {m['val_speedup_n']} ({m.get('val_speedup_profile')})"
     return (f"step {m['step']} | held-out tau {m['val_tau']:.3f} +- {m['val_tau_se']:.3f}{walk} on {m['val_sequences']} conversations{trees} "
             f"| loss {m['val_loss']:.3f} | accept% slots 1-4 {acc}" + (' | best so far' if m.get('best') else ''))
 
@@ -170,8 +171,9 @@ def _taus(a2, vals, taus, by='val_tau'):
         a2.plot(s, v, '^-' if c else 's-', color=f'C{2 + 2 * c}', ms=4, label=f"held-out tree, budget {k.split('@')[1]}" if c else 'held-out tau (simulated)')
         a2.fill_between(s, v - e, v + e, color=f'C{2 + 2 * c}', alpha=0.2)
     kept = [m for m in vals if m.get('best')] or sorted(vals, key=lambda m: m['val_tau'])   # the last kept, else the highest
-    if vals and _fig(kept[-1], by)[0] is not None:
-        a2.plot([kept[-1]['step']], [_fig(kept[-1], by)[0]], '*', color='k', ms=12, label=f"best by {by}, step {kept[-1]['step']}")
+    on = 'val_tau' if by == 'val_speedup' else by                       # a speed-up is not a tau: its best is marked on the chain's
+    if vals and _fig(kept[-1], on)[0] is not None:
+        a2.plot([kept[-1]['step']], [_fig(kept[-1], on)[0]], '*', color='k', ms=12, label=f"best by {by}, step {kept[-1]['step']}")
     if taus: a2.plot(*zip(*taus), 'o', color='C3', label='tau (lossless loop)')
     a2.set_ylabel('tau'); a2.set_ylim(1, max(top) * 1.1); a2.legend(fontsize=7, loc='center right')
 

@@ -25,6 +25,7 @@ from .loss import parse_terms, needs_target
 from .track import check_trackers, report_to_param
 from .validate import tree_budgets, check_best_by
 from .tree import check_tree_budget
+from .speedup import read_profile
 
 # %% ../nbs/recipe.ipynb #a868ef88
 # The published recipe, for a real target. Sources: SpecForge (sgl-project/SpecForge) scripts/train_dflash.py defaults
@@ -122,8 +123,13 @@ class TrainConfig(Job):
                                               "metrics.jsonl; the trees' calibration in out/tree_calibration.jsonl); it costs about 0.4 ms "
                                               "of CPU per held-out block at 16,64 (a block at every loss position unless val_anchors), and "
                                               "one more pass of the head over the blocks' slots; 'none': off", off=True, needs=(lambda c: c.validates, 'a validation split (val_data or val_extracted)'))
-    best_by: str = param('val_tau', "the held-out figure that picks the best checkpoint (the published drafter): val_tau (the chain), or "
-                         "val_tree_tau@N (the tree of budget N, one of val_tree_budgets) for a drafter served with trees",
+    engine_profile: str | None = param(None, "predict at each held-out evaluation the speed-up the drafter gives in an engine (val_speedup, "
+                                       "at its fastest drafted length): gpu (a verify costs one decode, the draft nothing), or the "
+                                       "engine-profile.json dflash_engine writes; None: none",
+                                       needs=(lambda c: c.validates, 'a validation split (val_data or val_extracted)'))
+    best_by: str = param('val_tau', "the held-out figure that picks the best checkpoint (the published drafter): val_tau (the chain), "
+                         "val_tree_tau@N (the tree of budget N, one of val_tree_budgets) for a drafter served with trees, or val_speedup "
+                         "(the speed-up predicted for engine_profile)",
                          needs=(lambda c: c.validates, 'a validation split (val_data or val_extracted)'))
     eval_every: int | None = param(None, 'steps between held-out acceptance evaluations (0: only at the end); None: 500 (recipe), 100 (demo)', min=0,
                                    needs=(lambda c: c.validates, 'a validation split (val_data or val_extracted)'))
@@ -188,7 +194,10 @@ class TrainConfig(Job):
             raise FileNotFoundError(f'val_data: no such file or directory: {self.val_data}')
         if self.val_data not in (None, 'none'): self.val_data = str(Path(self.val_data).resolve())
         self.val_tree_budgets = tree_budgets(self.val_tree_budgets)          # one spelling: ascending ints, or 'none'
-        check_best_by(self.best_by, self.val_tree_budgets)
+        if self.engine_profile is not None:
+            read_profile(self.engine_profile)                              # checked now; 'gpu', or a file (its path kept whole)
+            if self.engine_profile != 'gpu': self.engine_profile = str(Path(self.engine_profile).resolve())
+        check_best_by(self.best_by, self.val_tree_budgets, self.engine_profile)
         self._check_validation()
         if self.val_extracted is not None and not (Path(self.val_extracted) / 'manifest.json').exists():
             raise FileNotFoundError(f'val_extracted: {self.val_extracted} is not an extraction (no manifest.json)')

@@ -31,6 +31,7 @@ from .recipe import (TrainConfig, rank_device, resolve_mask_token, resolve_layer
 from .balance import auto_split
 from .checkpoint import latest_checkpoint, adopt_checkpoint, _resume_changes, VAL_KEYS
 from .release import _publish, engine_runs
+from .speedup import read_profile
 from .trainer import Trainer
 
 # %% ../nbs/train.ipynb #2e07b864
@@ -138,7 +139,8 @@ def run_drafter(cfg, coord, d, plan, ds, device, group, pg, stop):
         append_jsonl(trainer.out / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
     validator = (Validator(cfg.val_extracted, cfg.out, cfg.token_budget, cfg.val_anchors, cfg.val_samples, cfg.eval_max_new_tokens, cfg.seed,
                            step=trainer.step, remeasure=bool(set(trainer.changed) & set(VAL_KEYS)),
-                           tree_budgets=[] if tree_budgets(cfg.val_tree_budgets) == 'none' else tree_budgets(cfg.val_tree_budgets), best_by=cfg.best_by)
+                           tree_budgets=[] if tree_budgets(cfg.val_tree_budgets) == 'none' else tree_budgets(cfg.val_tree_budgets), best_by=cfg.best_by,
+                           profile=cfg.engine_profile and read_profile(cfg.engine_profile))
                  if d == 0 and cfg.val_extracted else None)
     def validate(trainer):
         rec = validator(trainer.model, trainer.step)
@@ -249,7 +251,7 @@ def prepare_job(cfg):
                          f'(the earlier run is moved to {out}/previous-*), or choose another out')
     ck, st = _resumed(cfg, out)
     if st: adopt_checkpoint(cfg, st.get('config', {}))               # what the user leaves unset is the first run's
-    check_best_by(cfg.best_by, cfg.val_tree_budgets)                  # against the budgets the run reads (a resume's adopted ones)
+    check_best_by(cfg.best_by, cfg.val_tree_budgets, cfg.engine_profile)   # against the budgets and profile the run reads (a resume's adopted ones)
     cfg.target = target_name(cfg.target)
     tcfg = load_target_config(cfg.target); L = text_config(tcfg).num_hidden_layers
     if cfg.init_from: resolve_init_from(cfg, tcfg)                   # before any default: unset settings are the checkpoint's

@@ -78,7 +78,8 @@ CHANGES = {'block_size': (['--block-size', '8'], []), 'mask_token_id': (['--mask
            'min_lr_ratio': (['--min-lr-ratio', '0.5'], []), 'warmup': (['--warmup', '3'], []), 'weight_decay': (['--weight-decay', '0.5'], []),
            'optimizer': (['--optimizer', 'muon'], []), 'target': (None, None),
            'val_data': (None, None), 'val_extracted': (['--val-extracted', 'VAL2'], 'vbase'), 'val_samples': (['--val-samples', '8'], 'vbase'),
-           'val_anchors': (['--val-anchors', '4'], 'vbase'), 'val_tree_budgets': (['--val-tree-budgets', '4'], 'vbase'), 'best_by': (None, None)}
+           'val_anchors': (['--val-anchors', '4'], 'vbase'), 'val_tree_budgets': (['--val-tree-budgets', '4'], 'vbase'), 'engine_profile': (['--engine-profile', 'gpu'], 'vbase'),
+           'best_by': (None, None)}
 ELSEWHERE = {'selector_alpha': 'test_selector_alpha_change_takes_effect', 'epochs': 'test_epochs_change_takes_effect',
              'target': 'test_a_moved_target_resumes', 'val_data': 'test_another_val_data_on_resume_sets_the_old_extraction_aside',
              'best_by': 'test_best_by_change_takes_effect'}

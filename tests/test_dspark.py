@@ -158,3 +158,61 @@ def test_live_reference_loads_our_checkpoint(fixture, tmp_path):
     assert torch.allclose(o.confidence[scored], out.confidence_pred.detach()[scored].sigmoid(), atol=1e-6)
     my_toks, my_walk, my_conf = drafts(mine, t['input'], meta['drafts'])
     assert torch.equal(my_toks, toks) and torch.allclose(my_walk, walk, atol=1e-5) and torch.allclose(my_conf, confs.sigmoid(), atol=1e-6)
+
+
+# The confidence's temperatures (`sts_temperatures.json`): checked where they load and where they are used.
+
+def test_sts_file_refused_unless_one_finite_positive_number_per_slot(ours, tmp_path):
+    "Too few, too many, zero, negative, non-finite, bool or non-number: the load refuses it, naming the file, the count and the number expected."
+    from dflash.dspark import STS_FILE, write_sts, read_sts
+    save_drafter(ours, tmp_path)
+    f, B = tmp_path / STS_FILE, ours.draft_len
+    for T in ([1.0] * (B - 2), [1.0] * (B + 4)):
+        write_sts(f, T)
+        with pytest.raises(ValueError, match=rf'{STS_FILE}: {len(T)} temperatures, expected {B}'): DSparkDraftModel.from_pretrained(tmp_path)
+    for bad in ('0', '-1.5', 'NaN', 'Infinity', '-Infinity', 'true', 'false', '"2"', 'null', '[1]', '{}'):
+        f.write_text('{"temperatures": [%s]}' % ', '.join(['1.0'] * (B - 1) + [bad]))
+        with pytest.raises(ValueError, match=STS_FILE): read_sts(f)
+        with pytest.raises(ValueError, match=STS_FILE): DSparkDraftModel.from_pretrained(tmp_path)
+    write_sts(f, [0.5 + k for k in range(B)])
+    assert DSparkDraftModel.from_pretrained(tmp_path).sts_temperatures == [0.5 + k for k in range(B)]
+
+
+def test_sts_in_memory_wrong_count_refused_when_drafting(ours, fixture):
+    "Temperatures set in memory for another block size: decoding stops with what is wrong, not a tensor shape error."
+    x, B = fixture[0]['input'], ours.draft_len
+    try:
+        for T in ([1.0, 2.0], [1.0] * (B + 1)):
+            ours.sts_temperatures = T
+            with pytest.raises(ValueError, match=rf'sts_temperatures: {len(T)} temperatures, expected {B}'):
+                ours.propose(x['hidden_states'][:1, :8], x['input_ids'][0, 8], 8)
+        ours.sts_temperatures = [2.0] * B
+        ours.propose(x['hidden_states'][:1, :8], x['input_ids'][0, 8], 8)
+        c = ours.last_confidence
+        ours.sts_temperatures = None
+        ours.propose(x['hidden_states'][:1, :8], x['input_ids'][0, 8], 8)
+        assert torch.allclose(c, torch.sigmoid(torch.logit(ours.last_confidence) / 2), atol=1e-5)
+    finally: ours.sts_temperatures = None
+
+
+def test_missing_sts_file_noted_for_a_confidence_head(ours, tmp_path):
+    "No file beside a drafter with a confidence head: one note that its confidences are uncalibrated; a stale file is not left by a save."
+    from dflash.dspark import STS_FILE, write_sts
+    save_drafter(ours, tmp_path)
+    with pytest.warns(UserWarning, match=r'no sts_temperatures\.json: .*uncalibrated \(temperature 1'): DSparkDraftModel.from_pretrained(tmp_path)
+    write_sts(tmp_path / STS_FILE, [3.0] * ours.draft_len)
+    save_drafter(ours, tmp_path)                                          # saved again, without temperatures: not the old file's
+    assert not (tmp_path / STS_FILE).exists()
+
+
+def test_config_keeps_num_anchors_through_save_and_publish(ours, tmp_path):
+    "`num_anchors` as the run set it survives `save_drafter` (fp32 and bf16), a reload, a second save, and the model card."
+    from dflash.publish import model_card
+    c = DSparkConfig.from_dict({**ours.config.to_dict(), 'num_anchors': 16})
+    m = DSparkDraftModel(c)
+    for i, dtype in enumerate((None, torch.bfloat16)):
+        p = save_drafter(m, tmp_path / str(i), dtype)
+        back = DSparkDraftModel.from_pretrained(p)
+        q = save_drafter(back, tmp_path / f'{i}b', dtype); model_card(q)
+        assert json.loads((p / 'config.json').read_text())['num_anchors'] == back.config.num_anchors == 16
+        assert json.loads((q / 'config.json').read_text())['num_anchors'] == 16

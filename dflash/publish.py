@@ -9,6 +9,7 @@ __all__ = ['check_drafter', 'unused_special_tokens', 'mask_token_choice', 'mask_
 import json
 from pathlib import Path
 from .taps import config_sha256
+from .dspark import STS_FILE, STS_BOUND, read_sts, sts_at_bound
 
 # %% ../nbs/publish.ipynb #09474195
 def check_drafter(dconfig, target_config, target=''):
@@ -94,6 +95,20 @@ def _keys(c):
     keys += [(f'dflash_config.{k}', dc[k]) for k in _SERVED_DC if k in dc]
     return '\n'.join(f'- `{k}`: `{json.dumps(v)}`' for k, v in keys)
 
+def _calibration(path, n):
+    """The card's words on a DSpark confidence head's calibration: the per-slot temperatures in `STS_FILE` beside the drafter (`n` of
+    them, checked), those at the edge of `sts_fit`'s grid (the fit hit its bound there), or none (uncalibrated)."""
+    f = Path(path) / STS_FILE
+    if not f.is_file(): return f", and a confidence head predicts each slot's acceptance, uncalibrated (no `{STS_FILE}`: temperature 1 at every slot). "
+    T = read_sts(f, n)
+    said = (f", and a confidence head predicts each slot's acceptance, calibrated by one temperature per slot fitted on held-out blocks "
+            f"(`{STS_FILE}`, slots 0..{n - 1}: {', '.join(f'{t:.3g}' for t in T)}). ")
+    if edge := sts_at_bound(T):
+        many = len(edge) > 1
+        said += (f"The temperature of slot{'s' * many} {', '.join(map(str, edge))} is at the edge of the fit's grid (e^-{STS_BOUND:g}..e^{STS_BOUND:g}): "
+                 f"the fit hit its bound, and the calibration of {'those slots' if many else 'that slot'} is unreliable. ")
+    return said
+
 def model_card(path, training='', tau=None, measured='', temperature=None, tau_sampled=None):
     """Write `path/README.md`, the model card of the drafter saved in `path`, from its config and what the caller says of its training
     and tau: `tau` {drafter: tau at T = 0}, and `tau_sampled` {drafter: tau} at `temperature` when measured."""
@@ -107,8 +122,7 @@ def model_card(path, training='', tau=None, measured='', temperature=None, tau_s
             f"slot's top {dc.get('selector_top_k')} along the block (codebooks of rank {dc.get('selector_rank')}). ") if two else ''
     if spark: kind = ("As DSpark (DeepSeek, arXiv 2607.05147), every slot of the block [anchor, mask x (B-1)] drafts; a Markov head of rank "
                       f"{c.get('markov_rank')} adds to each slot's logits a bias from the token before it (the one just drafted)"
-                      + (", and a confidence head predicts each slot's acceptance (per-position temperatures in `sts_temperatures.json` "
-                         "when calibrated). " if c.get('enable_confidence_head') else ". "))
+                      + (_calibration(path, n_draft) if c.get('enable_confidence_head') else ". "))
     hot = tau_sampled is not None and temperature is not None
     names = list(dict.fromkeys([*(tau or {}), *(tau_sampled or {} if hot else {})]))
     cell = lambda d, k: f'{d[k]:.2f}' if d and k in d else ''

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from .core import append_jsonl
 from .taps import target_name, text_config, load_target_config
-from .dspark import drafter_class
+from .loss import GAMMA, parse_terms, needs_target
+from .dspark import drafter_class, DSparkDraftModel, PAPER, PAPER_CONFIDENCE, PAPER_GAMMA
 from .publish import save_drafter, model_card
 from .evaluate import TauProbe, NgramDrafter, tau_table
 from .validate import resolution
@@ -82,16 +83,34 @@ def _measure(cfg, trainer, probe, model, device, res):
     return taus, sampled, measured
 
 # %% ../nbs/release.ipynb #9e6f7a36
+def _terms_said(terms):
+    "`0.1 CE + 0.9 L1 (`--loss-terms ce:0.1,l1:0.9`)` of terms `{name: weight}`."
+    said = ' + '.join(n.upper() if w == 1 else f'{w:g} {n.upper()}' for n, w in terms.items())
+    return said + ' (`--loss-terms ' + ','.join(n if w == 1 else f'{n}:{w:g}' for n, w in terms.items()) + '`)'
+
+def _loss_said(cfg, model):
+    """The card's sentence on the loss the run trained `model` with: the terms (`cfg.loss_terms`; None: CE, or DSpark's `PAPER`), DFlash2's
+    selector cross-entropy, DSpark's confidence BCE (with a confidence head), and the slots' weights (`cfg.loss`: decay or D-PACE)."""
+    spark, B = isinstance(model, DSparkDraftModel), model.block_size
+    terms = parse_terms(cfg.loss_terms) if cfg.loss_terms else dict(PAPER) if spark else {'ce': 1.0}
+    extra = [cfg.arch == 'dflash2' and f"{cfg.selector_alpha:g} x the selector's cross-entropy",
+             getattr(model, 'confidence_head', None) is not None and (f"{PAPER_CONFIDENCE:g} x the confidence head's BCE against " +
+             ('1 - TV' if needs_target(terms) else "the slot's hit (1 - TV where the target's final states came with the data)"))]
+    if cfg.loss == 'dpace': slots = f"D-PACE (alpha {cfg.dpace_alpha}: from the drafter's own confidence)"
+    elif spark: slots = f'the decay exp(-k/{PAPER_GAMMA:g}), k = 0..{B - 1}'
+    else: slots = f'the decay exp(-(k-1)/{GAMMA.get(B, 7.0):g}), k = 1..{B - 1}'
+    return f"Loss: {', plus '.join([_terms_said(terms), *filter(None, extra)])}; each slot weighted by {slots}."
+
 def _trained_how(cfg, trainer, chosen):
-    "The card's sentence on how the drafter was trained, and which step of the run it is (`chosen`)."
+    "The card's sentences on how the drafter was trained, its loss, and which step of the run it is (`chosen`)."
     data = f'the extraction `{cfg.extracted}` (offline)' if not cfg.online else f'`{cfg.data}` (online, {cfg.targets} target ranks)'
     start = f'Fine-tuned from the drafter `{cfg.init_from}`: ' if cfg.init_from else 'From random weights: '
-    levers = ', '.join(filter(None, [cfg.arch == 'dflash2' and f'DFlash2 (selector weight {cfg.selector_alpha})',
-                                     f'the {"D-PACE (alpha " + str(cfg.dpace_alpha) + ")" if cfg.loss == "dpace" else "decay"} loss',
+    levers = ', '.join(filter(None, [cfg.arch == 'dflash2' and 'DFlash2', cfg.arch == 'dspark' and 'DSpark',
                                      cfg.optimizer if cfg.optimizer != 'adamw' else 'AdamW', cfg.train_vocab and f'a training vocabulary of {cfg.train_vocab} tokens',
                                      cfg.precondition and 'preconditioned taps']))
     return start + (f'{trainer.step} optimizer steps, {trainer.tokens} tokens, on {data}, with dflash: {cfg.drafters} drafter ranks, '
-                    f'lr {cfg.lr}, {cfg.num_anchors} anchors per sequence, token budget {cfg.token_budget}, seed {cfg.seed}, {levers}.') + chosen
+                    f'lr {cfg.lr}, {cfg.num_anchors} anchors per sequence, token budget {cfg.token_budget}, seed {cfg.seed}, {levers}. '
+                    + _loss_said(cfg, trainer.model)) + chosen
 
 # %% ../nbs/release.ipynb #e8271f59
 def engine_runs(cfg):

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from .batching import token_budget_batches
 from .shards import ExtractedDataset, collate
 from .core import write_json_atomic, first_free, append_jsonl
-from .dspark import drafter_class, sts_fit, survival_ece
+from .dspark import drafter_class, sts_fit, survival_ece, sts_at_bound
 from .blocks import sample_anchors, anchor_generator
 from .publish import save_drafter
 from .tree import grow_trees, check_tree_budget
@@ -149,8 +149,10 @@ def _confidence_reading(probs, hits, labelled):
     z = torch.logit(probs.double().clamp(1e-7, 1 - 1e-7))
     half = torch.arange(len(z)) % 2 == 0
     T = torch.tensor(sts_fit(z[half], hits[half], labelled[half]))
+    sts = sts_fit(z, hits, labelled)
     return dict(val_conf_ece=survival_ece(probs[~half], hits[~half], labelled[~half]),
-                val_conf_ece_sts=survival_ece(torch.sigmoid(z[~half] / T), hits[~half], labelled[~half]), val_sts=sts_fit(z, hits, labelled))
+                val_conf_ece_sts=survival_ece(torch.sigmoid(z[~half] / T), hits[~half], labelled[~half]), val_sts=sts,
+                val_sts_at_bound=sts_at_bound(sts))          # slots whose fit hit the grid's edge: their calibration is unreliable
 
 def _first_reply(anchors, ok, n):
     "The counts of the blocks on the first run of consecutive valid anchors of a row (its first reply)."

@@ -62,7 +62,7 @@ RESUME_KEYS = {                                       # a setting `resume_change
     'precondition': "on: the taps' scale is measured on the resumed run's first batch (the function kept); off: fc stays folded",
     **dict.fromkeys(('token_budget', 'max_batch_size', 'max_samples', 'epochs', 'max_steps', 'grad_accum', 'seed'),
                     'the plan of batches, rebuilt from the step on; the schedule spans its new length'),
-    **dict.fromkeys(('lr', 'min_lr_ratio', 'warmup', 'weight_decay'), "the schedule and the optimizer's groups, set over the restored state"),
+    **dict.fromkeys(('lr', 'min_lr_ratio', 'warmup', 'weight_decay', 'muon_ns_steps'), "the schedule and the optimizer's groups, set over the restored state"),
     'optimizer': 'a fresh optimizer of the new kind (its moments start at zero), at the same point of the schedule',
     'best_by': "the next evaluation compares by the new figure (the kept best's measured again first if its record lacks it)",
     **dict.fromkeys(VAL_KEYS, 'the kept best drafter is measured again on the new split and figures before the run goes on')}

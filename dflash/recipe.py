@@ -103,6 +103,8 @@ class TrainConfig(Job):
                             "(an extraction with final_hidden, or online training, where the target ranks send them); None: ce, or DSpark's ce:0.1,l1:0.9")
     optimizer: str = param('adamw', "adamw, or muon: Muon for the layers' 2-D weights and fc (lr matched to AdamW's update size), AdamW for the rest",
                            choices=('adamw', 'muon'))
+    muon_ns_steps: int = param(5, "Muon's Newton-Schulz iterations per step (torch's default, 5); fewer: a cheaper step, a rougher "
+                               "orthogonalization", min=1, needs=(lambda c: c.optimizer == 'muon', "optimizer='muon'"))
     train_vocab: int | None = param(None, "the loss scores only the K most frequent label tokens of the training data (and each batch's "
                                     "labels); drafting uses the whole head. None or 0: the whole head", min=0)
     train_vocab_tail: int = param(0, "with train_vocab: rows of the other tokens also scored at each step, drawn at random, their logits raised "
@@ -454,5 +456,5 @@ def make_optimizer(model, cfg, lr_lambda):
     mats = {id(m.weight) for m in model.modules() if _hidden(m, getattr(getattr(model, 'config', None), 'vocab_size', None))}
     two_d = [p for p in model.parameters() if id(p) in mats and p.ndim == 2]
     rest = [p for p in model.parameters() if id(p) not in mats]
-    opts = [Muon(two_d, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn='match_rms_adamw'), adamw(rest)]
+    opts = [Muon(two_d, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn='match_rms_adamw', ns_steps=cfg.muon_ns_steps), adamw(rest)]
     return _Several(opts), _Several([sched(o) for o in opts])

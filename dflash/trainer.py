@@ -89,11 +89,12 @@ def _load(self, ck):
 
 def _set_schedule(self):
     """The run's own peak lr, schedule and weight decay at `self.step`, set over what a checkpoint restored: the optimizer's state
-    holds the first run's (a resume that changes `lr`, `warmup`, `min_lr_ratio`, `weight_decay`, `epochs` or `max_steps` applies here)."""
+    holds the first run's (a resume that changes `lr`, `warmup`, `min_lr_ratio`, `weight_decay`, `muon_ns_steps`, `epochs` or `max_steps`
+    applies here)."""
     cfg = self.cfg
     lr = cfg.lr * lr_factor(self.step, self.plan.total_steps, cfg.warmup, cfg.min_lr_ratio)   # as LambdaLR computes it: the same float
     for o, s in zip(getattr(self.opt, 'parts', [self.opt]), getattr(self.sched, 'parts', [self.sched])):
-        for g in o.param_groups: g.update(initial_lr=cfg.lr, lr=lr, weight_decay=cfg.weight_decay)
+        for g in o.param_groups: g.update(initial_lr=cfg.lr, lr=lr, weight_decay=cfg.weight_decay, **({'ns_steps': cfg.muon_ns_steps} if 'ns_steps' in g else {}))
         s.base_lrs, s.last_epoch, s._last_lr = [cfg.lr] * len(o.param_groups), self.step, [lr] * len(o.param_groups)
 
 def _state(self):

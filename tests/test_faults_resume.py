@@ -76,7 +76,7 @@ CHANGES = {'block_size': (['--block-size', '8'], []), 'mask_token_id': (['--mask
            'max_samples': (['--max-samples', '20'], []), 'epochs': (['--epochs', '1'], None), 'max_steps': (['--max-steps', '6'], []),
            'grad_accum': (['--grad-accum', '2'], []), 'seed': (['--seed', '1'], []), 'lr': (['--lr', '1e-3'], []),
            'min_lr_ratio': (['--min-lr-ratio', '0.5'], []), 'warmup': (['--warmup', '3'], []), 'weight_decay': (['--weight-decay', '0.5'], []),
-           'optimizer': (['--optimizer', 'muon'], []), 'target': (None, None),
+           'optimizer': (['--optimizer', 'muon'], []), 'muon_ns_steps': (['--muon-ns-steps', '1'], ['--optimizer', 'muon']), 'target': (None, None),
            'val_data': (None, None), 'val_extracted': (['--val-extracted', 'VAL2'], 'vbase'), 'val_samples': (['--val-samples', '8'], 'vbase'),
            'val_anchors': (['--val-anchors', '4'], 'vbase'), 'val_tree_budgets': (['--val-tree-budgets', '4'], 'vbase'), 'engine_profile': (['--engine-profile', 'gpu'], 'vbase'),
            'best_by': (None, None)}

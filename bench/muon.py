@@ -39,7 +39,8 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from dflash.core import TINY_TARGET
-    from dflash.recipe import Muon, TrainConfig, make_optimizer
+    from dflash.recipe import TrainConfig
+    from dflash.optim import Muon, make_optimizer
     if a.target is None:
         r = subprocess.run([str(Path(sys.executable).parent / 'dflash_gguf')], capture_output=True, text=True)
         a.target = r.stdout.strip().splitlines()[-1] if r.returncode == 0 else str(TINY_TARGET)

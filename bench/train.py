@@ -44,7 +44,7 @@ def run_inner(method, a):
     from dflash.shards import collate
     from dflash.model import DFlashDraftModel, drafter_config
     from dflash.blocks import anchor_generator
-    from dflash.trainer import lr_factor
+    from dflash.optim import lr_factor
     ds, plan = batches(a)
     target = load_target(TINY_TARGET, device='cpu')
     items = []

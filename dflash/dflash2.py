@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['DFLASH2', 'dflash2_config', 'BlockConv', 'DFlash2DecoderLayer', 'CandidateSelector', 'DFlash2DraftModel',
-           'drafter_class']
+           'as_dflash2']
 
 # %% ../nbs/dflash2.ipynb #4a3f921f
 import torch
@@ -182,10 +182,9 @@ def _from_dflash(cls, drafter, **settings):
 
 DFlash2DraftModel.from_dflash = classmethod(_from_dflash)
 
-def drafter_class(config):
-    "The drafter class of a `DFlashConfig` (or a checkpoint directory): `DFlash2DraftModel` or `DFlashDraftModel`, by its architectures."
-    if not isinstance(config, DFlashConfig): config = DFlashConfig.from_pretrained(config)
-    return DFlash2DraftModel if 'DFlash2DraftModel' in (config.architectures or []) else DFlashDraftModel
+def as_dflash2(model):
+    "`model` as the DFlash2 drafter a run trains: itself if it is one (a DFlash2 checkpoint), else an exact copy of the DFlash drafter it is."
+    return model if 'DFlash2DraftModel' in (model.config.architectures or []) else DFlash2DraftModel.from_dflash(model)
 
 # %% ../nbs/dflash2.ipynb #b685f7ee
 @torch.no_grad()

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['DSPARK', 'STS_FILE', 'STS_BOUND', 'PAPER', 'PAPER_CONFIDENCE', 'PAPER_GAMMA', 'DSparkConfig', 'dspark_config',
            'MarkovHead', 'ConfidenceHead', 'write_sts', 'read_sts', 'sts_at_bound', 'DSparkDraftModel', 'dspark_labels',
-           'drafter_class', 'sts_fit', 'survival_ece', 'verify_len']
+           'sts_fit', 'survival_ece', 'verify_len']
 
 # %% ../nbs/dspark.ipynb #2f55328d
 import json, math, numbers, warnings
@@ -18,7 +18,7 @@ from .blocks import _has_flex, pad_anchors, sample_anchors, block_mask, anchor_c
 from .loss import DFlashOutput, block_labels, _scored_head, rows_loss, term_names, along_blocks
 from .loss import parse_terms, needs_target
 from .model import DFlashConfig, DFlashDraftModel, drafter_config, _acc, _block_states
-from .dflash2 import drafter_class as _dflash_class
+
 
 # %% ../nbs/dspark.ipynb #79bfd891
 DSPARK = dict(markov_rank=256, markov_head_type='vanilla', enable_confidence_head=True, confidence_head_with_markov=True)
@@ -325,13 +325,6 @@ def _tree_expander(self, h, roots, k):
     return expand
 
 DSparkDraftModel.tree_expander = _tree_expander
-
-# %% ../nbs/dspark.ipynb #50df4b5d
-def drafter_class(config):
-    "The drafter class of a config or a checkpoint directory, by its `architectures`: `DSparkDraftModel`, else DFlash2's or DFlash's."
-    if isinstance(config, DFlashConfig): archs = config.architectures or []
-    else: archs = json.loads((Path(config) / 'config.json').read_text()).get('architectures') or []
-    return DSparkDraftModel if 'Qwen3DSparkModel' in archs else _dflash_class(config)
 
 # %% ../nbs/dspark.ipynb #a52f3ccd
 def _reached(hits, labelled):

@@ -20,7 +20,7 @@ from .core import TINY_TARGET, HELDOUT_DATA, RUNS, Job, param, target_param, out
 from .taps import tap_layers, tapped, load_target, load_target_config, load_tokenizer, target_name
 from .data import BadRow, DataError, load_conversations, prompt_of
 from .model import DFlashDraftModel
-from .dspark import drafter_class
+from .designs import drafter_class
 from .publish import check_drafter
 from .cache import _ids, recurrent_mixers
 from .sampling import sampling_probs, Sampling, _draw, speculative_sample
@@ -177,7 +177,7 @@ def greedy_reference(target, prompts, max_new_tokens=64, eos_token_id=None, prog
     return dict(outputs=outputs, time_s=times, max_new_tokens=max_new_tokens, eos_token_id=eos)
 
 def _as_drafter(drafter):
-    if isinstance(drafter, DFlashDraftModel): return DFlashDrafter(drafter)
+    if isinstance(drafter, torch.nn.Module): return DFlashDrafter(drafter)      # a drafter model of any design: wrapped for the loop
     if isinstance(drafter, str) and drafter == 'ngram': return NgramDrafter()
     return drafter
 

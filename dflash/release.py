@@ -13,7 +13,8 @@ import torch
 from .core import append_jsonl
 from .taps import target_name, text_config, load_target_config
 from .loss import GAMMA, parse_terms, needs_target
-from .dspark import drafter_class, DSparkDraftModel, PAPER, PAPER_CONFIDENCE, PAPER_GAMMA
+from .dspark import PAPER_CONFIDENCE
+from .designs import drafter_class, design_of
 from .publish import save_drafter, model_card
 from .evaluate import TauProbe, NgramDrafter, tau_table
 from .validate import resolution
@@ -89,16 +90,17 @@ def _terms_said(terms):
     return said + ' (`--loss-terms ' + ','.join(n if w == 1 else f'{n}:{w:g}' for n, w in terms.items()) + '`)'
 
 def _loss_said(cfg, model):
-    """The card's sentence on the loss the run trained `model` with: the terms (`cfg.loss_terms`; None: CE, or DSpark's `PAPER`), DFlash2's
-    selector cross-entropy, DSpark's confidence BCE (with a confidence head), and the slots' weights (`cfg.loss`: decay or D-PACE)."""
-    spark, B = isinstance(model, DSparkDraftModel), model.block_size
-    terms = parse_terms(cfg.loss_terms) if cfg.loss_terms else dict(PAPER) if spark else {'ce': 1.0}
+    """The card's sentence on the loss the run trained `model` with: the terms (`cfg.loss_terms`; None: its design's, e.g. DSpark's paper mix),
+    DFlash2's selector cross-entropy, DSpark's confidence BCE (with a confidence head), and the slots' weights (`cfg.loss`: decay or D-PACE)."""
+    design, B = design_of(model.config), model.block_size
+    terms = parse_terms(cfg.loss_terms) if cfg.loss_terms else dict(design.default_terms)
     extra = [cfg.arch == 'dflash2' and f"{cfg.selector_alpha:g} x the selector's cross-entropy",
              getattr(model, 'confidence_head', None) is not None and (f"{PAPER_CONFIDENCE:g} x the confidence head's BCE against " +
              ('1 - TV' if needs_target(terms) else "the slot's hit (1 - TV where the target's final states came with the data)"))]
     if cfg.loss == 'dpace': slots = f"D-PACE (alpha {cfg.dpace_alpha}: from the drafter's own confidence)"
-    elif spark: slots = f'the decay exp(-k/{PAPER_GAMMA:g}), k = 0..{B - 1}'
-    else: slots = f'the decay exp(-(k-1)/{GAMMA.get(B, 7.0):g}), k = 1..{B - 1}'
+    else:
+        k0, g = design.first_slot, design.decay_gamma(B) or GAMMA.get(B, 7.0)
+        slots = f'the decay exp(-{"k" if k0 == 0 else f"(k-{k0})"}/{g:g}), k = {k0}..{B - 1}'
     return f"Loss: {', plus '.join([_terms_said(terms), *filter(None, extra)])}; each slot weighted by {slots}."
 
 def _trained_how(cfg, trainer, chosen):
@@ -113,11 +115,12 @@ def _trained_how(cfg, trainer, chosen):
                     + _loss_said(cfg, trainer.model)) + chosen
 
 # %% ../nbs/release.ipynb #e8271f59
-def engine_runs(cfg):
-    "Does the run end with the engine check? As asked (`engine_eval`), else where xllamacpp imports and the target is CPU-sized (~4B parameters)."
+def engine_runs(cfg, target_config):
+    """Does the run end with the engine check? As asked (`engine_eval`), else where xllamacpp imports and the target (of config
+    `target_config`) is CPU-sized (~4B parameters). `resolve` asks once; the run reads its answer."""
     if cfg.engine_eval is not None or not cfg.final_eval: return bool(cfg.engine_eval and cfg.final_eval)
     if importlib.util.find_spec('xllamacpp') is None: return False
-    c = text_config(load_target_config(cfg.target))
+    c = text_config(target_config)
     return c.num_hidden_layers * 12 * c.hidden_size ** 2 + c.vocab_size * c.hidden_size <= 4e9
 
 def _local(target):
@@ -149,8 +152,9 @@ def _served(cfg, trainer, probe, path, res):
             f"{cfg.eval_max_new_tokens}`; the server: `{r0['commands']['server']}`.")
 
 # %% ../nbs/release.ipynb #5171b815
-def _publish(cfg, trainer, probe, device, validator=None):
-    "Save the published drafter (bf16 for a real target), measure tau beside the n-gram baseline, write its model card."
+def _publish(cfg, trainer, probe, device, validator=None, engine=False):
+    """Save the published drafter (bf16 for a real target), measure tau beside the n-gram baseline (and with `engine`, the run's
+    `engine_eval` as resolved, in llama.cpp), write its model card."""
     trainer.opt = None; torch.cuda.empty_cache() if device.type == 'cuda' else None   # room for the evaluation target
     model, chosen = _chosen(cfg, trainer, validator, device)
     if bad := [k for k, v in model.served_state_dict().items() if not torch.isfinite(v).all()]:
@@ -160,7 +164,7 @@ def _publish(cfg, trainer, probe, device, validator=None):
     if validator is not None and validator.best:
         res.update(best_step=validator.best['step'], val_tau=validator.best['val_tau'], val_tau_se=validator.best['val_tau_se'])
     taus, sampled, measured = _measure(cfg, trainer, probe, model, device, res) if cfg.final_eval else ({}, None, '')
-    if engine_runs(cfg):
+    if engine:
         row, said = _served(cfg, trainer, probe, path, res); taus.update(row); measured += said
     model_card(path, _trained_how(cfg, trainer, chosen), taus, measured, cfg.eval_temperature if sampled else None, sampled)
     return res

@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 from .batching import token_budget_batches
 from .shards import ExtractedDataset, collate
 from .core import write_json_atomic, first_free, append_jsonl
-from .dspark import drafter_class, sts_fit, survival_ece, sts_at_bound
+from .dspark import sts_fit, survival_ece, sts_at_bound
+from .designs import drafter_class
 from .blocks import sample_anchors, anchor_generator
 from .publish import save_drafter
 from .tree import grow_trees, check_tree_budget

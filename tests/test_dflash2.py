@@ -7,7 +7,8 @@ from safetensors.torch import load_file, save_file
 from dflash.taps import capture
 from dflash.model import DFlashDraftModel, drafter_config, feature_scale_of
 from dflash.loss import slot_weights
-from dflash.dflash2 import BlockConv, DFlash2DraftModel, DFLASH2, dflash2_config, drafter_class
+from dflash.dflash2 import BlockConv, DFlash2DraftModel, DFLASH2, dflash2_config
+from dflash.designs import drafter_class
 from dflash.publish import save_drafter
 from dflash.validate import accepted_lengths
 

@@ -9,7 +9,8 @@ import pytest, torch
 from torch import nn
 from safetensors import safe_open
 from safetensors.torch import load_file
-from dflash.dspark import DSparkConfig, DSparkDraftModel, drafter_class
+from dflash.dspark import DSparkConfig, DSparkDraftModel
+from dflash.designs import drafter_class
 from dflash.publish import save_drafter
 
 ROOT = Path(__file__).resolve().parents[1]

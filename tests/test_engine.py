@@ -61,11 +61,11 @@ def test_training_says_what_llamacpp_cannot_serve_before_it_starts(w, tmp_path):
     r = subprocess.run([str(BIN / 'dflash_train'), *map(str, args), '--out', tmp_path / 'a'], capture_output=True, text=True,
                        timeout=600, env=ENV)
     assert r.returncode == 1 and 'layer_ids=[1, 3]: llama.cpp reads a tap' in r.stderr and not (tmp_path / 'a' / 'checkpoints').exists(), r.stderr[-2000:]
-    from dflash.train import prepare_job
+    from dflash.resolve import resolve
     from dflash.recipe import TrainConfig
     assert '--no-servable' in r.stderr, r.stderr[-2000:]
-    cfg = prepare_job(TrainConfig(target=str(w / 'target'), data=str(tmp_path / 'few.jsonl'), num_layers=1, layer_ids=[1, 3], out=str(tmp_path / 'b'),
-                                  servable=False))
+    cfg = resolve(TrainConfig(target=str(w / 'target'), data=str(tmp_path / 'few.jsonl'), num_layers=1, layer_ids=[1, 3], out=str(tmp_path / 'b'),
+                              servable=False)).config
     assert cfg.layer_ids == [1, 3] and not any('llama.cpp' in x for x in cfg.warnings)
 
 

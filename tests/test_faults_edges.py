@@ -8,8 +8,10 @@ from dflash.core import TINY_TARGET, TRAIN_DATA, HELDOUT_DATA, file_sha256
 from dflash.data import prepare_cli
 from dflash.extract import extract
 from dflash.evaluate import evaluate_cli
-from dflash.train import train_cli, prepare_job
-from dflash.recipe import TrainConfig, drafter_for
+from dflash.train import train_cli
+from dflash.recipe import TrainConfig
+from dflash.resolve import resolve, drafter_for
+from dflash.taps import load_target_config
 from dflash.checkpoint import latest_checkpoint
 from dflash.shards import read_manifest
 from dflash.model import DFlashDraftModel, drafter_config
@@ -102,14 +104,14 @@ def test_the_demo_checks_what_llamacpp_serves_at_the_start_when_the_engine_check
     it is told at the start and the end-of-run check is off; asked for explicitly, the check refuses the run at once."""
     pytest.importorskip('xllamacpp')
     base = dict(arch='dflash2', val_data='none', max_steps=1, progress=False, eval_prompts=1)
-    cfg = prepare_job(TrainConfig(**base, out=str(tmp_path / 'a')))
+    cfg = resolve(TrainConfig(**base, out=str(tmp_path / 'a'))).config
     assert cfg.engine_eval is False and any('selector_top_k * (selector_top_k + 1) = 272' in x for x in cfg.warnings), cfg.warnings
-    with pytest.raises(ValueError, match='272; the target has 256'): prepare_job(TrainConfig(**base, engine_eval=True, out=str(tmp_path / 'b')))
-    assert prepare_job(TrainConfig(**base, engine_eval=False, out=str(tmp_path / 'c'))).engine_eval is False   # no engine check: no word
-    assert prepare_job(TrainConfig(**base, final_eval=False, out=str(tmp_path / 'd'))).warnings == []
+    with pytest.raises(ValueError, match='272; the target has 256'): resolve(TrainConfig(**base, engine_eval=True, out=str(tmp_path / 'b')))
+    assert resolve(TrainConfig(**base, engine_eval=False, out=str(tmp_path / 'c'))).config.engine_eval is False   # no engine check: no word
+    assert resolve(TrainConfig(**base, final_eval=False, out=str(tmp_path / 'd'))).config.warnings == []
 
 
 def test_a_dspark_config_records_the_runs_anchors():
     cfg = TrainConfig(arch='dspark', num_anchors=4, num_layers=1, val_data='none')
     cfg.set('layer_ids', [2], 'test')
-    assert drafter_for(cfg, 5).num_anchors == 4
+    assert drafter_for(cfg, load_target_config(TINY_TARGET), 5).num_anchors == 4

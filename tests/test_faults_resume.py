@@ -15,8 +15,9 @@ from dflash.gguf import GGUFConfig
 from dflash.recipe import TrainConfig
 from dflash.shards import ExtractedDataset
 from dflash.checkpoint import RESUME_KEYS, SHAPE_KEYS, FIXED_KEYS, latest_checkpoint
-from dflash.trainer import lr_factor
-from dflash.train import train_cli, prepare_job
+from dflash.optim import lr_factor
+from dflash.train import train_cli
+from dflash.resolve import resolve
 from test_faults import cli, fails, tree, kept
 from test_faults_data import cli as run           # (exit status, stdout, stderr)
 
@@ -305,7 +306,7 @@ def test_val_data_none_turns_validation_off_on_the_demo(tmp_path):
     "Case 4: `--val-data none` is off, not the default (the demo would validate on its held-out replies)."
     a = vars(job_parser(TrainConfig, 'x').parse_args(['--val-data', 'none', '--out', str(tmp_path / 'run')])); a.pop('debug')
     (tmp_path / 'few.jsonl').write_text(''.join(open(TRAIN_DATA).readlines()[:8]))
-    cfg = prepare_job(TrainConfig(**a, data=str(tmp_path / 'few.jsonl')))
+    cfg = resolve(TrainConfig(**a, data=str(tmp_path / 'few.jsonl'))).config
     assert cfg.demo and cfg.val_data == 'none' and not cfg.validates and not (tmp_path / 'run' / 'val').exists()
     assert TrainConfig(data=str(tmp_path / 'few.jsonl')).validates                       # left unset, the demo validates
 

@@ -12,6 +12,7 @@ from dflash.batching import Plan
 from dflash.dist import Coord
 from dflash.recipe import TrainConfig
 from dflash.trainer import Trainer
+from dflash.resolve import resolve
 from dflash.train import train, train_cli
 from dflash.dflash2 import DFlash2DraftModel
 from dflash.evaluate import load_drafter
@@ -35,15 +36,16 @@ def w(tmp_path_factory, make_target, save_target):
 
 def trainer(w, tmp_path, **kw):
     cfg = TrainConfig(target=str(w / 'target'), extracted=str(w / 'x'), out=str(tmp_path / kw.pop('name', 'run')), layer_ids=[1, 3, 5],
-                      mask_token_id=3, **{**RUN, 'max_steps': 2, **kw})
+                      mask_token_id=3, servable=False, **{**RUN, 'max_steps': 2, **kw})
     xds = ExtractedDataset(w / 'x')
     plan = Plan(xds.lengths, cfg.token_budget, cfg.max_batch_size, 1, cfg.seed, max_steps=cfg.max_steps)
-    return Trainer(cfg, Coord(__import__('torch.distributed', fromlist=['HashStore']).HashStore(), 0, 1, cfg.roles()), 0, plan,
-                   torch.device('cpu'), mask_token_id=3), OfflineSource(xds, plan, 0, 0, plan.total_micro, 'cpu')
+    return Trainer(resolve(cfg), Coord(__import__('torch.distributed', fromlist=['HashStore']).HashStore(), 0, 1, cfg.roles()), 0, plan,
+                   torch.device('cpu')), OfflineSource(xds, plan, 0, 0, plan.total_micro, 'cpu')
 
 
 def test_a_dflash2_run_starts_as_an_exact_copy_of_the_dflash_one(w, tmp_path):
-    (one, src), (two, _) = trainer(w, tmp_path, name='one'), trainer(w, tmp_path, name='two', arch='dflash2')
+    same = dict(block_size=16, layer_types='full', is_causal=False)   # given: a DFlash2 run on a hybrid would take the published layout
+    (one, src), (two, _) = trainer(w, tmp_path, name='one', **same), trainer(w, tmp_path, name='two', arch='dflash2', **same)
     assert isinstance(two.model, DFlash2DraftModel) and not isinstance(one.model, DFlash2DraftModel)
     item = src.get()
     with torch.no_grad():

@@ -434,22 +434,17 @@ def _tree_children(self, context_hidden, last_token, start_pos=None, cache=None,
     n = [len(r) if warp is None else sum(w > -math.inf for w in r) for r in lps]   # a warp's zeros: never a node
     return (lambda path: (ids[len(path)][:n[len(path)]], lps[len(path)][:n[len(path)]])), len(lps)
 
-DFlashDraftModel.propose, DFlashDraftModel.propose_sampled, DFlashDraftModel.tree_children = _propose, _propose_sampled, _tree_children
-
-# %% ../nbs/model.ipynb #267b75c4
 @torch.no_grad()
 def _tree_expander(self, h, roots, k, chunk=1024):
-    """The children of the nodes of many blocks' trees, for `grow_trees`: from the blocks' drafted-slot states `h` [N, L, H] and their
-    `roots` [N] (the token before each block's first drafted slot), `expand_many([(block, path), ...])` giving each node's `k` most
-    probable next tokens and their log-probabilities, best first, as `tree_children` gives them. DFlash: slot len(path)'s, whatever
-    the path."""
+    """The children of many blocks' tree nodes, for `grow_trees`: from their drafted-slot states `h` [N, L, H] and `roots` [N] (each block's
+    token before its first drafted slot), `expand_many([(block, path), ...])` gives each node's `k` best next tokens and log-probabilities,
+    best first, as `tree_children` does (`validate.ipynb` reads trees this way). DFlash: slot len(path)'s, whatever the path."""
     x, lps, ids = h.reshape(-1, h.shape[-1]), [], []
     for i in range(0, len(x), chunk):
-        z = self.logits(x[i:i + chunk]).float()
-        v, j = z.topk(min(k, z.shape[-1]), -1)
+        z = self.logits(x[i:i + chunk]).float(); v, j = z.topk(min(k, z.shape[-1]), -1)
         lps.append(v - z.logsumexp(-1, keepdim=True)); ids.append(j)
-    if not lps: return lambda asks: []
-    P, I = torch.cat(lps).view(*h.shape[:2], -1).tolist(), torch.cat(ids).view(*h.shape[:2], -1).tolist()
+    P, I = (torch.cat(t).view(*h.shape[:2], -1).tolist() for t in (lps, ids)) if lps else ([], [])
     return lambda asks: [(I[n][len(p)], P[n][len(p)]) for n, p in asks]
 
-DFlashDraftModel.tree_expander = _tree_expander
+DFlashDraftModel.propose, DFlashDraftModel.propose_sampled, DFlashDraftModel.tree_children, DFlashDraftModel.tree_expander = (
+    _propose, _propose_sampled, _tree_children, _tree_expander)

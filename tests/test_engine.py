@@ -84,3 +84,58 @@ def test_training_ends_with_the_engines_figures(w, tmp_path):
     assert [m for m in read_metrics(tmp_path / 'run') if 'engine_tau' in m][0]['engine_tau'] == res['engine_tau']
     card = (tmp_path / 'run' / 'drafter' / 'README.md').read_text()
     assert '| the same drafter served by llama.cpp (its counters) |' in card and 'Served by llama.cpp (the xllamacpp' in card and 'llama-server -m' in card
+
+
+def test_ctrl_c_stops_the_engine_at_once(w, tmp_path):
+    """SIGINT while llama.cpp decodes a long request: exit 130 and 'interrupted' at once, not when the request or the run ends.
+    Started as a script's background job is (SIGINT ignored, which Python keeps), the case in which dflash_engine ran on to rc 0."""
+    import signal, time
+    p = subprocess.Popen([str(BIN / 'dflash_engine'), '--drafter', str(w / 'drafter'), '--target', str(w / 'target'), '--eval-data', str(w / 'asks.jsonl'),
+                          '--max-new-tokens', '3500', '--reps', '1', '--threads', '1', '--no-ours', '--out', str(tmp_path / 'eng')],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        seen = ''
+        for line in p.stdout:                                   # until both servers run; the requests follow at once
+            seen += line
+            if line.startswith('llama.cpp: serving'): break
+        assert 'llama.cpp: serving' in seen, seen[-2000:] + p.stderr.read()[-2000:]
+        time.sleep(3.5)                                         # the plain decode (~3 s) done, inside the speculative one (~30 s)
+        t0 = time.time(); p.send_signal(signal.SIGINT)
+        rc = p.wait(timeout=30)
+        took, err = time.time() - t0, p.stderr.read()
+    finally:
+        if p.poll() is None: p.kill(); p.wait()
+    print(f'stopped {took:.2f} s after SIGINT')
+    assert rc == 130 and 'dflash_engine: interrupted' in err and took < 2, (rc, took, err[-2000:])
+    assert not (tmp_path / 'eng' / 'engine.json').exists()
+
+
+def vllm_tool():
+    "tools/vllm_check.py, imported by path (its top level needs no vLLM)."
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('vllm_check', Path(__file__).resolve().parents[1] / 'tools' / 'vllm_check.py')
+    m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+    return m
+
+
+def test_vllm_check_serves_each_design_with_its_method():
+    "DFlash and DFlash2 as vLLM's 'dflash' drafting block - 1 tokens, DSpark as 'dspark' drafting all B; anything else refused."
+    from dflash.designs import DESIGNS
+    v = vllm_tool()
+    assert set(v.METHODS) == {d.architecture for d in DESIGNS.values()}          # every design this project trains, and no other
+    assert v.speculative({'architectures': ['DFlashDraftModel'], 'block_size': 16}) == ('dflash', 15)
+    assert v.speculative({'architectures': ['DFlash2DraftModel'], 'block_size': 8}) == ('dflash', 7)
+    assert v.speculative({'architectures': ['Qwen3DSparkModel'], 'block_size': 7}) == ('dspark', 7)
+    with pytest.raises(ValueError, match='not a drafter this check serves'): v.speculative({'architectures': ['Qwen3ForCausalLM'], 'block_size': 16})
+
+
+def test_make_vllm_check_looks_at_the_drafter_before_any_venv(w, tmp_path):
+    "A DRAFTER that is no drafter (here a target) stops `make vllm-check` at once, before vLLM's venv (or the project's) is built."
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(['make', '-s', '-C', str(root), 'vllm-check', f"DRAFTER={w / 'target'}", f"VLLM_VENV={tmp_path / 'vv'}"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "architectures ['Qwen3ForCausalLM']: not a drafter this check serves" in r.stderr, r.stdout + r.stderr
+    assert not (tmp_path / 'vv').exists() and 'pip' not in r.stdout + r.stderr
+    r = subprocess.run([sys.executable, str(root / 'tools' / 'vllm_check.py'), str(w / 'drafter'), '--check'], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "method 'dflash', num_speculative_tokens 7" in r.stdout, r.stderr

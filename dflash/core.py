@@ -9,7 +9,7 @@ __all__ = ['ROOT', 'DATA', 'TINY_TARGET', 'TRAIN_DATA', 'HELDOUT_DATA', 'REGEN_D
            'set_aside', 'job_parser', 'errors_dir', 'run_cli']
 
 # %% ../nbs/core.ipynb #d0542ba4
-import argparse, hashlib, json, math, os, queue, sys, tempfile, threading, time, traceback, types, typing
+import argparse, hashlib, json, math, os, queue, signal, sys, tempfile, threading, time, traceback, types, typing
 from dataclasses import field, fields
 from pathlib import Path
 
@@ -314,6 +314,9 @@ def run_cli(main, job, prog, argv=None):
     "Parse `argv` into the `Job` dataclass `job`, run `main(job)`, and exit: 0 on success, else 1 with a one-line reason."
     a = vars(job_parser(job, prog, main.__doc__).parse_args(argv))
     debug = a.pop('debug')
+    # a shell starts a script's background job with SIGINT ignored, and Python leaves it so: Ctrl-C is to stop every job of ours
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         main(job(**a))
     except KeyboardInterrupt:

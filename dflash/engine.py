@@ -8,7 +8,7 @@ __all__ = ['LLAMACPP', 'MODEL_FILES', 'NEAR_TIE', 'converter', 'gpt2_split', 'ch
            'engine_job', 'engine_cli']
 
 # %% ../nbs/engine.ipynb #02358aca
-import hashlib, json, os, re, signal, subprocess, sys, tarfile, tempfile, threading, time, urllib.request
+import hashlib, json, os, re, subprocess, sys, tarfile, tempfile, threading, time, urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
@@ -371,8 +371,6 @@ def engine_job(*args, **kw):
 
 def engine_cli(argv=None):
     "Serve a drafter with llama.cpp and measure it: `dflash_engine --drafter DIR [--target DIR] [--eval-data a.jsonl,b.jsonl]`."
-    # A shell starts a script's background job with SIGINT ignored, and Python then leaves it ignored: SIGINT (Ctrl-C) is to stop this job.
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN: signal.signal(signal.SIGINT, signal.default_int_handler)
     try: return run_cli(engine_job, EngineConfig, 'dflash_engine', argv)
     except SystemExit as e:
         if e.code == 130 and _LEFT:      # a llama.cpp call still runs in its thread: leave now, without tearing its server down under it

@@ -4,11 +4,11 @@
 
 # %% auto #0
 __all__ = ['LLAMACPP', 'MODEL_FILES', 'NEAR_TIE', 'converter', 'gpt2_split', 'checksum_file', 'gguf_problem', 'to_gguf',
-           'serving_problems', 'Engine', 'compare', 'near_tie', 'costs', 'engine_check', 'tau_gap', 'EngineConfig',
-           'engine_job', 'engine_cli']
+           'serving_problems', 'Engine', 'compare', 'near_tie', 'costs', 'engine_check', 'tau_gap', 'engine_profile',
+           'EngineConfig', 'engine_job', 'engine_cli']
 
 # %% ../nbs/engine.ipynb #02358aca
-import hashlib, json, os, re, subprocess, sys, tarfile, tempfile, threading, time, urllib.request
+import hashlib, json, os, platform, re, subprocess, sys, tarfile, tempfile, threading, time, urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
@@ -18,6 +18,9 @@ from .dflash2 import DFLASH2
 from .designs import drafter_class
 from .publish import check_drafter
 from .evaluate import load_prompts, load_drafter, evaluate
+from .speedup import write_profile, predict, PROFILE_FILE
+from .shards import ExtractedDataset
+from .validate import heldout_acceptance
 
 # %% ../nbs/engine.ipynb #ee23e07a
 LLAMACPP = '2026.10.11549'       # xllamacpp: llama.cpp's server as a CPU wheel, and its converter in the sdist (the same commit)
@@ -264,8 +267,8 @@ def costs(plain, spec, ids, runs, n_max):
 def engine_check(target, drafter, prompts, max_new_tokens=64, temperature=0.0, reps=1, threads=None, seed=0, progress=False, n_max=None,
                  outtype='f16'):
     """llama.cpp's own figures for `drafter` on `target` (model directories) over `prompts` (token id lists): tau, drafted and accepted
-    tokens, the speed-up (median and spread of back-to-back runs), the step's `costs` and, greedy, whether every output is the engine's
-    plain one. `n_max`: tokens drafted a step (None: block - 1, what a DFlash drafter drafts); `outtype`: the target's GGUF type."""
+    tokens, the speed-up (median and spread of the plain and speculative runs of each prompt, paired, `reps` times over every prompt),
+    tokens per second of each, the step's `costs` and, greedy, whether every output is the engine's plain one. `n_max`: tokens drafted a step (None: block - 1, what a DFlash drafter drafts); `outtype`: the target's GGUF type."""
     kind, most = _served_as(drafter, target)
     if n_max is not None and not 1 <= n_max <= most: raise ValueError(f'n_max: {n_max} is not in 1..{most} (this drafter drafts at most {most})')
     n_max = n_max or most
@@ -273,18 +276,21 @@ def engine_check(target, drafter, prompts, max_new_tokens=64, temperature=0.0, r
     plain, spec = Engine(tg, threads=threads), Engine(tg, dg, n_max=n_max, kind=kind, threads=threads)
     print(f'llama.cpp: serving {tg} with the drafter {dg} ({kind}, {n_max} tokens a step)', flush=True)
     rows, runs = [], []
-    for k, ids in enumerate(prompts):
-        for r in range(reps):
+    for r in range(reps):                                     # each repetition over every prompt: a machine's drift spreads over them all
+        for k, ids in enumerate(prompts):
             runs.append((plain.complete(ids, max_new_tokens, temperature, seed + k), spec.complete(ids, max_new_tokens, temperature, seed + k)))
-        a, b = runs[-1]
-        same, i, margin = compare(a, b) if temperature == 0 else (None, None, None)
-        rows.append(dict(prompt=k, tokens=len(b['tokens']), drafted=b['drafted'], accepted=b['accepted'], drafts=b['drafts'], same=same,
-                         first_difference=i, margin=margin, near_tie=near_tie(margin) if same is False else None))
-        if progress: print(f'engine: prompt {k + 1}/{len(prompts)}: {rows[-1]}', flush=True)
+            if r: continue
+            a, b = runs[-1]
+            same, i, margin = compare(a, b) if temperature == 0 else (None, None, None)
+            rows.append(dict(prompt=k, tokens=len(b['tokens']), drafted=b['drafted'], accepted=b['accepted'], drafts=b['drafts'], same=same,
+                             first_difference=i, margin=margin, near_tie=near_tie(margin) if same is False else None))
+            if progress: print(f'engine: prompt {k + 1}/{len(prompts)}: {rows[-1]}', flush=True)
     acc, drafts = sum(r['accepted'] for r in rows), sum(r['drafts'] for r in rows)
     ratios = [a['seconds'] / max(b['seconds'], 1e-9) for a, b in runs]
+    tps = lambda side: sum(len(x[side]['tokens']) for x in runs) / max(sum(x[side]['seconds'] for x in runs), 1e-9)
     return dict(tau=1 + acc / max(drafts, 1), drafted=sum(r['drafted'] for r in rows), accepted=acc, drafts=drafts, n_max=n_max, kind=kind,
                 speedup=float(np.median(ratios)), speedup_range=[float(min(ratios)), float(max(ratios))], reps=reps, temperature=temperature,
+                tokens_per_s=dict(plain=tps(0), speculative=tps(1)),
                 costs=costs(plain, spec, prompts[0], runs, n_max), outtype=outtype,
                 lossless=None if temperature else all(r['same'] or r['near_tie'] for r in rows),
                 identical=None if temperature else sum(bool(r['same']) for r in rows), per_prompt=rows, target_gguf=str(tg), drafter_gguf=str(dg),
@@ -303,6 +309,29 @@ def tau_gap(engine, ours, sigmas=4.0, least=0.1):
     gap, se = float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
     return dict(engine=engine['tau'], ours=ours['tau'], gap=gap, se=se, n=len(d), far=abs(gap) > max(sigmas * se, least))
 
+# %% ../nbs/engine.ipynb #34d4fa14
+def engine_profile(target, drafter, prompts, lengths=None, max_new_tokens=64, reps=5, threads=None, outtype='f16', progress=False):
+    """llama.cpp's step costs for `drafter` on `target` at each drafted length of `lengths` (None: 1 .. all it drafts): `(profile, checks)`,
+    the profile as `dflash.speedup` reads it (decode, verify by tokens, draft by drafted length: the step less its verify) and each
+    length's `engine_check` (tau, the paired speed-up, tokens per second)."""
+    kind, most = _served_as(drafter, target)
+    lengths = sorted(set(lengths or range(1, most + 1)))
+    if bad := [n for n in lengths if not 1 <= n <= most]: raise ValueError(f'lengths: {bad} not in 1..{most} (this drafter drafts at most {most})')
+    checks = {}
+    for n in lengths:
+        checks[n] = engine_check(target, drafter, prompts, max_new_tokens, reps=reps, threads=threads, n_max=n, outtype=outtype)
+        if progress: print(f"engine profile: {n} drafted, tau {checks[n]['tau']:.2f}, speed-up {checks[n]['speedup']:.2f}x", flush=True)
+    plain, ids = Engine(to_gguf(target, outtype=outtype), threads=threads), [int(t) for t in prompts[0]]
+    filler = (ids * (max(lengths) + 2))[:max(lengths) + 1]            # any tokens: a verify's cost does not depend on which
+    verify = {t: plain.batch_ms(ids, filler[:t]) for t in range(1, max(lengths) + 2)}
+    del plain
+    decode = float(np.median([c['costs']['decode_ms'] for c in checks.values()]))
+    step = {n: c['costs']['step_ms'] for n, c in checks.items()}
+    profile = dict(name=f'llama.cpp {LLAMACPP}, {outtype} target, {threads or "all"} threads, {platform.machine()}', engine=f'llama.cpp (xllamacpp {LLAMACPP})',
+                   target=str(target), drafter=str(drafter), kind=kind, decode_ms=decode, verify_ms=verify,
+                   draft_ms={n: max(step[n] - verify[n + 1], 0.0) for n in lengths}, step_ms=step, time=time.time())
+    return profile, checks
+
 # %% ../nbs/engine.ipynb #775a307f
 @dataclass
 class EngineConfig(Job):
@@ -314,11 +343,15 @@ class EngineConfig(Job):
     num_prompts: int = param(8, 'prompts per file', min=1)
     max_new_tokens: int = param(64, 'tokens decoded per prompt', min=1)
     temperature: float = param(0.0, 'sampling temperature (0: greedy, and the lossless check)', min=0, least=1e-3)
-    reps: int = param(3, 'back-to-back repetitions of each prompt, plain then speculative, for the speed-up and its spread', min=1)
+    reps: int = param(5, 'repetitions of every prompt, each decoded plain then speculative back to back: the speed-up (median of the pairs) and its spread', min=1)
     threads: int | None = param(None, "the engine's CPU threads; None: torch's", min=1)
     n_max: int | None = param(None, 'tokens drafted a step (llama.cpp --spec-draft-n-max); None: block - 1, all the drafter drafts', min=1)
     outtype: str = param('f16', "the target's GGUF type", choices=('f16', 'bf16', 'f32', 'q8_0'))
     ours: bool = param(True, "also this project's lossless loop on the same prompts (the target in fp32)")
+    profile: bool = param(False, "also the engine's costs at every drafted length (a check each, on the first prompt file), written to "
+                          "out/engine-profile.json (what dflash_train --engine-profile reads), and the speed-up predicted from them beside the measured one")
+    val_extracted: str | None = param(None, "with profile: an extraction of held-out replies at the drafter's taps, whose held-out acceptance "
+                                      "predicts the speed-up at each length", needs=(lambda j: j.profile, 'profile'))
     out: str | None = param(None, 'engine.json; None: runs/engine')
 
     def check(self):
@@ -328,6 +361,8 @@ class EngineConfig(Job):
             self.set('eval_data', ','.join(str(DATA / 'real' / f) for f in ('sharegpt-prompts-heldout.jsonl', 'humaneval-prompts.jsonl')), 'data/real')
         for f in self.eval_data.split(','):
             if not Path(f).is_file(): raise FileNotFoundError(f'eval_data: no such file: {f}')
+        if self.val_extracted is not None and not (Path(self.val_extracted) / 'manifest.json').is_file():
+            raise FileNotFoundError(f'val_extracted: {self.val_extracted} is not an extraction (no manifest.json)')
         if self.out is None: self.set('out', str(RUNS / 'engine'), 'default')
         return self
 
@@ -366,8 +401,32 @@ def engine_job(*args, **kw):
                   f"far beyond their spread (standard error {gap['se']:.3f} over {gap['n']} prompts): what llama.cpp serves is likely not the "
                   f"drafter trained (a damaged file, a setting the conversion lost); check {e['drafter_gguf']}", file=sys.stderr, flush=True)
     out.mkdir(parents=True, exist_ok=True); job.save(out / 'config.json')
-    write_json_atomic(out / 'engine.json', dict(config=job.to_dict(), llamacpp=LLAMACPP, results=results))
+    prof = _profiled(job, out, next(iter(sets.values())), tgt) if job.profile else None
+    write_json_atomic(out / 'engine.json', dict(config=job.to_dict(), llamacpp=LLAMACPP, results=results, profile=prof))
     return results
+
+def _profiled(job, out, prompts, tgt):
+    """`engine_profile` of the job's drafter on `prompts`, written to `out/engine-profile.json`, and with `val_extracted` the speed-up its
+    held-out acceptance predicts at each length beside the measured one; printed as a table, returned."""
+    prof, checks = engine_profile(job.target, job.drafter, prompts, None, job.max_new_tokens, job.reps, job.threads, job.outtype, progress=True)
+    write_profile(out / PROFILE_FILE, **prof)
+    acc = None
+    if job.val_extracted:
+        m = load_drafter(job.drafter, tgt or load_target(job.target))
+        acc = heldout_acceptance(m, ExtractedDataset(job.val_extracted))['val_accept']
+    pred = {r['n']: r for r in predict(acc, prof)['rows']} if acc else {}
+    rows = [dict(n=n, tau=c['tau'], speedup=c['speedup'], speedup_range=c['speedup_range'], tokens_per_s=c['tokens_per_s'],
+                 predicted=pred[n]['speedup'] if n in pred else None, predicted_tau=pred[n]['tau'] if n in pred else None,
+                 step_ms=prof['step_ms'][n], verify_ms=prof['verify_ms'][n + 1], draft_ms=prof['draft_ms'][n]) for n, c in checks.items()]
+    print(f"engine profile (written to {out / PROFILE_FILE}): decode {prof['decode_ms']:.1f} ms", flush=True)
+    print('drafted  tau   speed-up [spread]    predicted  tok/s plain/spec  verify ms  draft ms', flush=True)
+    for r in rows:
+        print(f"{r['n']:7d} {r['tau']:5.2f}  {r['speedup']:5.2f} [{r['speedup_range'][0]:.2f}, {r['speedup_range'][1]:.2f}]  " +
+              (f"{r['predicted']:9.2f}" if r['predicted'] is not None else f"{'':9}") +
+              f"  {r['tokens_per_s']['plain']:6.1f} / {r['tokens_per_s']['speculative']:6.1f}  {r['verify_ms']:9.1f}  {r['draft_ms']:8.1f}", flush=True)
+    best = max(rows, key=lambda r: r['speedup'])
+    print(f"the fastest: {best['n']} drafted a step, {best['speedup']:.2f}x the target alone (measured)", flush=True)
+    return dict(profile=str(out / PROFILE_FILE), val_accept=acc, rows=rows, fastest=best['n'])
 
 def engine_cli(argv=None):
     "Serve a drafter with llama.cpp and measure it: `dflash_engine --drafter DIR [--target DIR] [--eval-data a.jsonl,b.jsonl]`."

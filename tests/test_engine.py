@@ -139,3 +139,21 @@ def test_make_vllm_check_looks_at_the_drafter_before_any_venv(w, tmp_path):
     assert not (tmp_path / 'vv').exists() and 'pip' not in r.stdout + r.stderr
     r = subprocess.run([sys.executable, str(root / 'tools' / 'vllm_check.py'), str(w / 'drafter'), '--check'], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "method 'dflash', num_speculative_tokens 7" in r.stdout, r.stderr
+
+
+def test_the_engine_profile_predicts_the_speedup_beside_the_measured_one(w, tmp_path):
+    """`--profile`: the engine's costs at every drafted length (a paired check each), written as the profile training reads, and with
+    `--val-extracted` the speed-up held-out acceptance predicts beside the one measured, at each length."""
+    from dflash.extract import extract
+    from dflash.speedup import read_profile
+    (tmp_path / 'held.jsonl').write_text(''.join(open(TRAIN_DATA).readlines()[:4]))                  # replies to read acceptance on
+    x = extract(target=str(w / 'target'), data=str(tmp_path / 'held.jsonl'), out=str(tmp_path / 'x'), layer_ids=[1, 2], progress=False)
+    save_drafter(DFlashDraftModel(drafter_config(T.AutoConfig.from_pretrained(w / 'target'), 1, 4, 16, [1, 2])), tmp_path / 'd4')
+    r = engine('--drafter', tmp_path / 'd4', '--target', w / 'target', '--eval-data', w / 'asks.jsonl', '--num-prompts', 1, '--max-new-tokens', 8,
+               '--reps', 1, '--threads', 1, '--no-ours', '--profile', '--val-extracted', x['out'], '--out', tmp_path / 'eng')
+    assert r.returncode == 0, r.stderr[-3000:]
+    p = read_profile(tmp_path / 'eng')
+    assert sorted(p['draft_ms']) == [1, 2, 3] and sorted(p['verify_ms']) == [1, 2, 3, 4] and p['decode_ms'] > 0 and p['kind'] == 'dflash'
+    prof = json.loads((tmp_path / 'eng' / 'engine.json').read_text())['profile']
+    assert [row['n'] for row in prof['rows']] == [1, 2, 3] and all(row['predicted'] is not None and row['tokens_per_s']['plain'] > 0 for row in prof['rows'])
+    assert len(prof['val_accept']) == 3 and 'the fastest:' in r.stdout and 'predicted' in r.stdout

@@ -350,6 +350,8 @@ class EngineConfig(Job):
     ours: bool = param(True, "also this project's lossless loop on the same prompts (the target in fp32)")
     profile: bool = param(False, "also the engine's costs at every drafted length (a check each, on the first prompt file), written to "
                           "out/engine-profile.json (what dflash_train --engine-profile reads), and the speed-up predicted from them beside the measured one")
+    profile_lengths: str | None = param(None, "with profile: the drafted lengths it measures, comma-separated; None: 1 .. all the drafter drafts",
+                                        needs=(lambda j: j.profile, 'profile'))
     val_extracted: str | None = param(None, "with profile: an extraction of held-out replies at the drafter's taps, whose held-out acceptance "
                                       "predicts the speed-up at each length", needs=(lambda j: j.profile, 'profile'))
     out: str | None = param(None, 'engine.json; None: runs/engine')
@@ -361,6 +363,9 @@ class EngineConfig(Job):
             self.set('eval_data', ','.join(str(DATA / 'real' / f) for f in ('sharegpt-prompts-heldout.jsonl', 'humaneval-prompts.jsonl')), 'data/real')
         for f in self.eval_data.split(','):
             if not Path(f).is_file(): raise FileNotFoundError(f'eval_data: no such file: {f}')
+        if self.profile_lengths is not None:
+            try: self.profile_lengths = ','.join(str(n) for n in sorted({int(x) for x in str(self.profile_lengths).split(',')}))
+            except ValueError: raise ValueError(f'profile_lengths={self.profile_lengths!r}: drafted lengths, comma-separated (e.g. 1,2,3,7)') from None
         if self.val_extracted is not None and not (Path(self.val_extracted) / 'manifest.json').is_file():
             raise FileNotFoundError(f'val_extracted: {self.val_extracted} is not an extraction (no manifest.json)')
         if self.out is None: self.set('out', str(RUNS / 'engine'), 'default')
@@ -408,7 +413,8 @@ def engine_job(*args, **kw):
 def _profiled(job, out, prompts, tgt):
     """`engine_profile` of the job's drafter on `prompts`, written to `out/engine-profile.json`, and with `val_extracted` the speed-up its
     held-out acceptance predicts at each length beside the measured one; printed as a table, returned."""
-    prof, checks = engine_profile(job.target, job.drafter, prompts, None, job.max_new_tokens, job.reps, job.threads, job.outtype, progress=True)
+    lengths = [int(n) for n in job.profile_lengths.split(',')] if job.profile_lengths else None
+    prof, checks = engine_profile(job.target, job.drafter, prompts, lengths, job.max_new_tokens, job.reps, job.threads, job.outtype, progress=True)
     write_profile(out / PROFILE_FILE, **prof)
     acc = None
     if job.val_extracted:

@@ -33,10 +33,15 @@ def _chosen(cfg, trainer, validator, device):
                    + _trees(b, cfg.best_by) + _resolution(b, getattr(validator, 'last', None)))
 
 def _trees(b, by):
-    "The card's word on the best's held-out tree acceptance, and on the figure that chose it when not the chain's."
+    """The card's word on the best's held-out tree acceptance, on the speed-up it predicts in the run's engine profile (`speedup.ipynb`),
+    and on the figure that chose it when not the chain's."""
     t = b.get('val_tree_tau') or {}
     said = (' As DDTree trees: ' + ', '.join(f"{v:.3f} at {n} nodes" for n, v in t.items()) + '.') if t else ''
-    return said + (f' It was chosen by {by.replace("val_tree_tau@", "the tree acceptance at ")} nodes.' if by != 'val_tau' else '')
+    if b.get('val_speedup') is not None:
+        said += (f" Predicted from it in the engine of the profile {b.get('val_speedup_profile')}: {b['val_speedup']:.2f}x the target alone, "
+                 f"drafting {b['val_speedup_n']} a step (held-out acceptance against the engine's step costs).")
+    chose = {'val_tau': None, 'val_speedup': 'the predicted speed-up'}.get(by, by.replace('val_tree_tau@', 'the tree acceptance at ') + ' nodes')
+    return said + (f' It was chosen by {chose}.' if chose else '')
 
 def _resolution(b, last):
     "The card's word on a pick within the figure's resolution: the last evaluation's figure no further from the best's than their errors."

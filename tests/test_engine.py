@@ -150,10 +150,10 @@ def test_the_engine_profile_predicts_the_speedup_beside_the_measured_one(w, tmp_
     x = extract(target=str(w / 'target'), data=str(tmp_path / 'held.jsonl'), out=str(tmp_path / 'x'), layer_ids=[1, 2], progress=False)
     save_drafter(DFlashDraftModel(drafter_config(T.AutoConfig.from_pretrained(w / 'target'), 1, 4, 16, [1, 2])), tmp_path / 'd4')
     r = engine('--drafter', tmp_path / 'd4', '--target', w / 'target', '--eval-data', w / 'asks.jsonl', '--num-prompts', 1, '--max-new-tokens', 8,
-               '--reps', 1, '--threads', 1, '--no-ours', '--profile', '--val-extracted', x['out'], '--out', tmp_path / 'eng')
+               '--reps', 1, '--threads', 1, '--no-ours', '--profile', '--profile-lengths', '3,1', '--val-extracted', x['out'], '--out', tmp_path / 'eng')
     assert r.returncode == 0, r.stderr[-3000:]
     p = read_profile(tmp_path / 'eng')
-    assert sorted(p['draft_ms']) == [1, 2, 3] and sorted(p['verify_ms']) == [1, 2, 3, 4] and p['decode_ms'] > 0 and p['kind'] == 'dflash'
+    assert sorted(p['draft_ms']) == [1, 3] and sorted(p['verify_ms']) == [1, 2, 3, 4] and p['decode_ms'] > 0 and p['kind'] == 'dflash'
     prof = json.loads((tmp_path / 'eng' / 'engine.json').read_text())['profile']
-    assert [row['n'] for row in prof['rows']] == [1, 2, 3] and all(row['predicted'] is not None and row['tokens_per_s']['plain'] > 0 for row in prof['rows'])
+    assert [row['n'] for row in prof['rows']] == [1, 3] and all(row['predicted'] is not None and row['tokens_per_s']['plain'] > 0 for row in prof['rows'])
     assert len(prof['val_accept']) == 3 and 'the fastest:' in r.stdout and 'predicted' in r.stdout

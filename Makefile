@@ -16,7 +16,7 @@ export PYTHONHASHSEED := 0
 # Tiny models on few cores: one intra-op thread per process beats oversubscribed OpenMP spinning.
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
-.PHONY: setup demo real-demo test test-nbs test-py check-sync readme bench chaos gpu-check clean-venv vllm-check
+.PHONY: setup demo real-demo test test-all test-slow test-nbs test-py check-sync readme bench chaos gpu-check clean-venv vllm-check
 setup: $(STAMP)
 
 $(STAMP): settings.ini setup.py Makefile
@@ -64,9 +64,16 @@ test-nbs: setup
 	@d=$$(mktemp -d); $(TEST_ENV) DFLASH_ERRORS=$$d $(BIN)/nbdev_test --n_workers 2 --timing; rc=$$?; rm -rf $$d; exit $$rc
 
 test-py: setup
-	$(TEST_ENV) $(BIN)/pytest -q -n 2 --dist loadfile tests
+	$(TEST_ENV) $(BIN)/pytest -q -n 2 --dist loadfile -m 'not slow' tests
+
+# The second tier (tests marked slow): the real SmolLM2 target, stock hub targets, servers, multi-process jobs, the
+# papermill experiments, the distribution checks of sampled decoding. `make test-all` (what CI runs) is both tiers.
+test-slow: setup
+	$(TEST_ENV) $(BIN)/pytest -q -n 2 --dist loadfile -m slow tests
 
 test: check-sync test-nbs test-py
+
+test-all: test test-slow
 
 bench: setup
 	$(PY) bench/extract.py

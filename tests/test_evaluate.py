@@ -282,6 +282,7 @@ def sampled(target, drafter, rule=None, n=N, seed=0):
         outs.append(tuple(toks)); acc += sum(a for a, _ in steps); drafted += sum(d for _, d in steps)
     return outs, acc / max(drafted, 1)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['dflash', 'dflash2', 'ngram'])
 def test_sampled_decoding_is_lossless_in_distribution(small, kind):
     """Speculative sampling (DFlash: q from the warp of its logits; DFlash2: the selector's rows; n-gram: point masses) draws the target's
@@ -290,6 +291,7 @@ def test_sampled_decoding_is_lossless_in_distribution(small, kind):
     outs, rate = sampled(target, drafters[kind])
     assert chi2_pvalue(outs, exact) > ALPHA and 0.1 < rate < 0.9, (kind, chi2_pvalue(outs, exact), rate)
 
+@pytest.mark.slow
 def test_the_distribution_check_fails_wrong_rules(small):
     "The same check, with the same drafter and draws, rejects a rule that always accepts and one whose residual is p, not max(p - q, 0)."
     target, drafters, exact = small

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 from dflash.core import ROOT
 
+pytestmark = pytest.mark.slow        # the second tier: `make test-all` (and CI) runs it, `make test` does not
+
 PAPERMILL = Path(sys.executable).parent / 'papermill'
 NB = ROOT / 'nbs' / 'experiments'
 FIGURE = ROOT / 'assets' / 'real-data-curve.png'                    # README's figure
@@ -61,6 +63,7 @@ BAD = {
                                               ['sizes=8,100: 100 must be in [1, 40]', 'the extraction demo/extract holds 40 conversations'], fake_demo),
     'real_demo-optimizer': ('real_demo', ['optimizer', 'sgd', 'out', 'out'], ["optimizer='sgd': must be one of 'adamw', 'muon'"], None),
     'real_demo-loss-terms': ('real_demo', ['loss_terms', 'ce:0.1,l2:0.9', 'out', 'out'], ["loss term 'l2' in 'ce:0.1,l2:0.9': one of ce, kl, tv, l1, lk"], None),
+    'real_demo-engine-lengths': ('real_demo', ['engine_lengths', '1,9', 'out', 'out'], ['engine_lengths: [9] not in 1..7 (block_size=8 drafts 7)'], None),
     'real_demo-conversations-0': ('real_demo', ['conversations', 0, 'out', 'out'],
                                   ['conversations=0: must be in [1, 2112]', 'sharegpt-train-regen.jsonl holds 2112 conversations'], None),
     'real_demo-conversations-3000': ('real_demo', ['conversations', 3000, 'out', 'out'],

@@ -159,6 +159,7 @@ def test_shard_layout(work, base):
     assert t['hidden_states'].shape == (T_, 192) and t['input_ids'].shape == t['loss_mask'].shape == (T_,)
     assert t['cu_seqlens'].shape == (n + 1,) and t['cu_seqlens'][-1] == T_ and t['sample_ids'].shape == (n,)
 
+@pytest.mark.slow
 def test_resume_after_sigkill_equals_uninterrupted_run(work):
     "The CLI killed with SIGKILL after its first shard, then started again, ends with what an uninterrupted run writes."
     kw = {**KW, 'token_budget': 256}   # many small batches, one shard each
@@ -234,6 +235,7 @@ def test_fp8_round_trip_and_disk(work, base):
         sc = ref.abs().amax(-1, keepdim=True) / 448
         assert got.dtype == torch.float32 and ((got - ref).abs() <= ref.abs() / 16 + sc / 512 + 1e-6).all()
 
+@pytest.mark.slow
 def test_two_cpu_workers_give_the_same_set_as_one(work, base):
     r = extract(work / 'hybrid', work / 'dataset', work / 'w2', **KW, workers=2)
     x = ExtractedDataset(work / 'w2')
@@ -242,6 +244,7 @@ def test_two_cpu_workers_give_the_same_set_as_one(work, base):
     assert list(x.sample_ids) == list(range(43))
     for i in range(43): torch.testing.assert_close(x[i]['hidden_states'], base[1][i]['hidden_states'], atol=2e-5, rtol=1e-4)
 
+@pytest.mark.slow
 def test_failed_worker_stops_the_job_naming_its_rank(work):
     with pytest.raises(RuntimeError, match=r"extract worker rank \d failed: RuntimeError: rank \d: sample \d+ .*does not fit in memory alone"):
         extract(work / 'hybrid', work / 'dataset', work / 'w2-fail', **KW, workers=2, mem_limit_tokens=5)

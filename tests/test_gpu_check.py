@@ -3,6 +3,8 @@ import json, subprocess, sys
 from pathlib import Path
 import pytest
 
+pytestmark = pytest.mark.slow        # the second tier: `make test-all` (and CI) runs it, `make test` does not
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -7,6 +7,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dflash.core import DATA
 from dflash.gguf import smollm2_gguf   # `smol`, the converted directory: tests/conftest.py
 
+pytestmark = pytest.mark.slow        # the second tier: `make test-all` (and CI) runs it, `make test` does not
+
 BIN = Path(sys.executable).parent
 REAL = DATA / 'real'
 

@@ -7,6 +7,8 @@ from dflash.core import TRAIN_DATA, HELDOUT_DATA
 from dflash.model import DFlashDraftModel
 from conftest import STOCK
 
+pytestmark = pytest.mark.slow        # the second tier: `make test-all` (and CI) runs it, `make test` does not
+
 BIN = Path(sys.executable).parent
 
 

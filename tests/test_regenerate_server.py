@@ -8,6 +8,8 @@ from dflash.core import HELDOUT_DATA, TINY_TARGET
 from dflash.data import load_conversations
 from dflash.regenerate import LocalServer, RequestRefused, regenerate
 
+pytestmark = pytest.mark.slow        # the second tier: `make test-all` (and CI) runs it, `make test` does not
+
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, 'HF_HUB_OFFLINE': '1', 'OMP_NUM_THREADS': '1', 'OMP_WAIT_POLICY': 'PASSIVE'}
 N, MAX_NEW = 16, 24   # 16 held-out conversations (1 to 3 replies each), 24 tokens a reply: ~4 s on one server here

@@ -20,6 +20,7 @@ def test_loads_offline_as_qwen3_5_hybrid(target):
     assert 8 <= model.config.num_hidden_layers <= 12
     assert tok.mask_token == '<|mask|>' and tok.eos_token == '<|im_end|>' and tok.chat_template
 
+@pytest.mark.slow
 def test_heldout_loss_matches_readme(target):
     tok, model = target
     loss = heldout_loss(model, encode_corpus(tok, 'heldout'), tok.pad_token_id)

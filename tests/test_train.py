@@ -41,6 +41,7 @@ def test_plan_is_independent_of_targets():
     assert len({len(b) for b in p.epoch(0)}) == 1 and p.total_steps == 2 * p.per_epoch
     assert [p.batch(2, k) for k in range(p.total_micro)][:p.per_epoch] == p.epoch(0)[2]
 
+@pytest.mark.slow
 def test_online_2x1_learns(work, tmp_path):
     "2 target ranks + 1 drafter rank on gloo (the embedded trained target): the loss falls; metrics, checkpoints and the final drafter are written."
     out = tmp_path / 'run'
@@ -125,6 +126,7 @@ def start_long_job(work, out, targets):
     while len(read_metrics(out)) < 2 and p.poll() is None and time.time() - t0 < 180: time.sleep(0.2)
     return p
 
+@pytest.mark.slow
 def test_dead_rank_ends_job(work, tmp_path):
     "SIGKILL one target rank mid-run: every other rank exits non-zero on its own within 60 s, and the error names the rank."
     out = tmp_path / 'run'
@@ -136,6 +138,7 @@ def test_dead_rank_ends_job(work, tmp_path):
     assert 'rank 1 (target 1) failed: killed by signal SIGKILL' in text, text[-3000:]
     assert latest_checkpoint(out) is not None, 'the drafter saved what it had learnt before the job ended'   # nothing lost
 
+@pytest.mark.slow
 def test_sigterm_saves(work, tmp_path):
     "SIGTERM on the drafter rank: it saves a checkpoint at the step it reached, and the job ends cleanly."
     out = tmp_path / 'run'
@@ -253,6 +256,7 @@ def test_init_from_refuses_a_drafter_that_does_not_fit(work, extracted, tmp_path
     assert not (tmp_path / 'run' / 'config.json').exists() and not (tmp_path / 'run' / 'metrics.jsonl').exists()
 
 
+@pytest.mark.slow
 def test_resume_of_a_run_from_before_layer_types_keeps_full_attention(work, tmp_path):
     """A checkpoint whose run recorded no layer_types (written before they existed: all full) resumes with full attention,
     not the hybrid target's sliding default; a run given the layer types in another spelling resumes too."""

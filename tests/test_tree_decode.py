@@ -184,6 +184,7 @@ def top_child(tree, probs, generator=None):
     "Wrong: go to the drafter's best child wherever there is one, whatever the target draws; draw only at a leaf."
     return follow(tree, lambda i: next(iter(tree.children(i))) if tree.children(i) else int(torch.multinomial(probs(i), 1, generator=generator)))
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['dflash', 'dflash2'])
 def test_sampled_tree_decoding_is_lossless_in_distribution(small, kind):
     "The chain's chi-square check (81 continuations, p > 1e-3) on tree walks of budgets 4 and 16; steps do accept nodes."

@@ -26,6 +26,7 @@ def memorized(tmp_path_factory):
     return d, res
 
 
+@pytest.mark.slow
 def test_the_walk_is_the_lossless_loops_tau(memorized):
     d, _ = memorized
     target, tok = load_target(str(TINY_TARGET)), load_tokenizer(str(TINY_TARGET))
@@ -50,6 +51,7 @@ def test_the_walk_is_the_lossless_loops_tau(memorized):
     assert g['lossless'] and g['identical'] >= len(same) - 1 and abs(g['tau'] - e['tau']) < 0.1 * e['tau'], (g['tau'], e['tau'], g['per_prompt'])
 
 
+@pytest.mark.slow
 def test_a_run_publishes_its_best_drafter(memorized):
     d, res = memorized
     vals = [m for m in read_metrics(d / 'run') if 'val_tau' in m]
@@ -61,6 +63,7 @@ def test_a_run_publishes_its_best_drafter(memorized):
     assert f"the step-{best['step']} drafter, the best of the run" in (d / 'run/drafter/README.md').read_text()
 
 
+@pytest.mark.slow
 def test_a_run_reads_trees_beside_the_chain(memorized):
     "By default a run reads DDTree's trees of budgets 16 and 64 from the held-out forward: in metrics.jsonl, the calibration file, the plots."
     from dflash.core import read_jsonl
@@ -94,8 +97,16 @@ def test_best_by_a_budget_not_read_is_refused(tmp_path):
     assert not (tmp_path / 'run').exists()
 
 
+@pytest.fixture(scope='module')
+def heldout(tmp_path_factory):
+    "The taps (layer 4) of 6 of the embedded target's replies to held-out prompts."
+    d = tmp_path_factory.mktemp('heldout')
+    (d / 'val.jsonl').write_text(''.join(open(HELDOUT_REGEN).readlines()[12:18]))
+    return extract(data=str(d / 'val.jsonl'), out=str(d / 'v'), layer_ids=[4], progress=False)['out']
+
+
 @pytest.mark.parametrize('arch', ['dflash', 'dflash2', 'dspark'])
-def test_every_design_reads_its_tree_as_the_loop_grows_it(memorized, arch):
+def test_every_design_reads_its_tree_as_the_loop_grows_it(heldout, arch):
     """The held-out tree of every design is grown through its own `tree_expander`, as the loop's `tree_children` grows it: the tree's
     depth-0 spine (the root's best child) is the chain's first drafted token, so the spine's hit rate is the chain's slot-1 acceptance,
     and the tree of budget 1 reads 1 + it. DFlash2's selector is perturbed and DSpark's Markov head trained, so that neither design's
@@ -104,14 +115,13 @@ def test_every_design_reads_its_tree_as_the_loop_grows_it(memorized, arch):
     from dflash.dflash2 import DFlash2DraftModel
     from dflash.dspark import DSparkDraftModel, dspark_config
     from dflash.shards import collate
-    d, _ = memorized
     target, tok = load_target(str(TINY_TARGET)), load_tokenizer(str(TINY_TARGET))
     target = target.float()
     torch.manual_seed(0)
     c = drafter_config(target.config, 1, 8, tok.mask_token_id, [4])
     model = {'dflash': lambda: DFlashDraftModel(c), 'dspark': lambda: DSparkDraftModel(dspark_config(target.config, 1, 8, tok.mask_token_id, [4])),
              'dflash2': lambda: DFlash2DraftModel.from_dflash(DFlashDraftModel(c))}[arch]().attach_target(target)
-    xds = ExtractedDataset(d / 'v')
+    xds = ExtractedDataset(heldout)
     rows = [xds[i] for i in range(6)]
     batch = collate(*(torch.cat([r[k] for r in rows]) for k in ('hidden_states', 'input_ids', 'loss_mask')), [len(r['input_ids']) for r in rows])
     opt, g = torch.optim.AdamW(model.parameters(), lr=3e-3), torch.Generator().manual_seed(0)

@@ -16,7 +16,7 @@ export PYTHONHASHSEED := 0
 # Tiny models on few cores: one intra-op thread per process beats oversubscribed OpenMP spinning.
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
-.PHONY: setup demo real-demo test test-all test-slow test-nbs test-py check-sync readme bench chaos gpu-check clean-venv vllm-check
+.PHONY: setup demo real-demo test test-all test-slow test-nbs test-py check-sync docs browser readme bench chaos gpu-check clean-venv vllm-check
 setup: $(STAMP)
 
 $(STAMP): settings.ini setup.py Makefile
@@ -68,8 +68,16 @@ test-py: setup
 
 # The second tier (tests marked slow): the real SmolLM2 target, stock hub targets, servers, multi-process jobs, the
 # papermill experiments, the distribution checks of sampled decoding. `make test-all` (what CI runs) is both tiers.
-test-slow: setup
+test-slow: setup browser
 	$(TEST_ENV) $(BIN)/pytest -q -n 2 --dist loadfile -m slow tests
+
+# The documentation site: every notebook a page, in _docs/ (not committed); tests/test_docs.py opens it in headless Chromium.
+docs: setup
+	$(PY) tools/docs.py --out _docs
+
+# Debian's Chromium, for the documentation's browser test (installed once; needs root, as on these machines)
+browser:
+	@command -v chromium >/dev/null || { apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; }
 
 test: check-sync test-nbs test-py
 

@@ -69,6 +69,7 @@ test-py: setup
 # The second tier (tests marked slow): the real SmolLM2 target, stock hub targets, servers, multi-process jobs, the
 # papermill experiments, the distribution checks of sampled decoding. `make test-all` (what CI runs) is both tiers.
 test-slow: setup browser
+	$(TEST_ENV) $(BIN)/nbdev_test --flags slow --path nbs/evaluate.ipynb
 	$(TEST_ENV) $(BIN)/pytest -q -n 2 --dist loadfile -m slow tests
 
 # The documentation site: every notebook a page, in _docs/ (not committed); tests/test_docs.py opens it in headless Chromium.

@@ -175,12 +175,14 @@ def _not_started(err, files):
             f'fails so: delete it; a file dflash converted (in {cache_dir() / "gguf"}) is converted again on the next run')
 
 class Engine:
-    "llama.cpp's server (xllamacpp) on the GGUF file `target`, with the drafter `drafter` (a GGUF file) drafting `n_max` tokens a step."
+    """llama.cpp's server (xllamacpp) on the GGUF file `target`, with the drafter `drafter` (a GGUF file) drafting `n_max` tokens a step.
+    Quiet: llama.cpp's own log is off unless `$DFLASH_LLAMACPP_VERBOSITY` asks for it (3: its usual log; a failure is said by us anyway)."""
     def __init__(self, target, drafter=None, n_max=15, kind='dflash', threads=None, n_ctx=4096):
         import torch, xllamacpp as x
         p = x.CommonParams()
         p.model.path, p.n_ctx, p.n_parallel, p.endpoint_metrics, p.cache_prompt = str(target), n_ctx, 1, True, False
         p.cpuparams.n_threads = p.cpuparams_batch.n_threads = threads or torch.get_num_threads()
+        p.verbosity = int(os.environ.get('DFLASH_LLAMACPP_VERBOSITY', 0))
         if drafter is not None:
             p.speculative.types = [getattr(x.common_speculative_type, f'COMMON_SPECULATIVE_TYPE_DRAFT_{kind.upper()}')]
             p.speculative.draft.mparams.path, p.speculative.draft.n_max = str(drafter), n_max

@@ -198,17 +198,17 @@ def _propose_sampled(self, context_hidden, last_token, start_pos=None, cache=Non
 @torch.no_grad()
 def _tree_children(self, context_hidden, last_token, start_pos=None, cache=None, budget=16, warp=None):
     """The children of any node of a draft tree under the selector, for `grow_tree`: `(expand, slots)`, `expand(path)` giving the next
-    slot's candidates scored after the path's last token (the anchor's for the root), softmax(scores / T) (T: `warp`'s, else 1), best
+    slot's candidates scored after the path's last token (the anchor's for the root), softmax(scores / T) (T: `warp`'s, else the depth's `tree_scale`), best
     first. All `selector_top_k` candidates are children: `budget` cuts nothing here. One block (b = 1)."""
     last_token = torch.as_tensor(last_token, device=self.fc.weight.device).reshape(-1)
     h = self.draft_states(context_hidden, last_token, start_pos, cache)
     if h.shape[0] != 1: raise ValueError(f'a draft tree grows from one block: got a batch of {h.shape[0]}')
     unary, cand = self.logits(h).topk(self.candidate_selector.top_k, -1)
-    T = 1.0 if warp is None else warp.temperature
+    T = self.tree_scale(h.shape[1], h.device) if warp is None else torch.full((h.shape[1],), warp.temperature, device=h.device)
     def expand(path):
         d, pred = len(path), torch.as_tensor([path[-1]], device=h.device) if path else last_token
         s = self.candidate_selector.scores(h[:, d], unary[:, d], cand[:, d], pred)[0]
-        lp, order = (s.float() / T).log_softmax(-1).sort(descending=True, stable=True)
+        lp, order = (s.float() / T[d]).log_softmax(-1).sort(descending=True, stable=True)
         return cand[0, d][order], lp
     return expand, h.shape[1]
 
@@ -219,15 +219,15 @@ DFlash2DraftModel.propose_sampled, DFlash2DraftModel.tree_children = _propose_sa
 def _tree_expander(self, h, roots, k=None):
     """The children of the nodes of many blocks' trees under the selector, for `grow_trees`: from the blocks' drafted-slot states `h`
     [N, L, H] and `roots` [N], `expand_many([(block, path), ...])` giving each node's candidates scored after the path's last token (the
-    root's for the root), log-softmax, best first, as `tree_children` gives them (all `selector_top_k`: `k` cuts nothing)."""
+    root's for the root), log-softmax (of scores / the depth's `tree_scale`), best first, as `tree_children` gives them (all `selector_top_k`: `k` cuts nothing)."""
     unary, cand = self.logits(h).topk(self.candidate_selector.top_k, -1)
-    roots = torch.as_tensor(roots, device=h.device).reshape(-1)
+    roots, T = torch.as_tensor(roots, device=h.device).reshape(-1), self.tree_scale(h.shape[1], h.device)
     def expand(asks):
         if not asks: return []
         n = torch.tensor([a[0] for a in asks], device=h.device); d = torch.tensor([len(a[1]) for a in asks], device=h.device)
         pred = torch.tensor([a[1][-1] if a[1] else int(roots[a[0]]) for a in asks], device=h.device)
         s = self.candidate_selector.scores(h[n, d], unary[n, d], cand[n, d], pred)
-        lp, order = s.float().log_softmax(-1).sort(dim=-1, descending=True, stable=True)
+        lp, order = (s.float() / T[d, None]).log_softmax(-1).sort(dim=-1, descending=True, stable=True)
         return list(zip(cand[n, d].gather(1, order).tolist(), lp.tolist()))
     return expand
 

@@ -207,7 +207,7 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
     distribution terms, the confidence target); `terms` (None: 0.1 CE + 0.9 L1); `confidence_alpha`: the BCE term's weight; the slots'
     weights: 'decay' (`gamma`, None: `PAPER_GAMMA`) or 'dpace' (`dpace_alpha`); `teacher_transform`: the target's `(mult, cap)` (None: the
     drafter's). `selector_alpha` (DFlash2's) is ignored."""
-    if loss not in ('decay', 'dpace'): raise ValueError(f"loss={loss!r}: 'decay' or 'dpace'")
+    if loss not in ('decay', 'dpace'): raise ValueError(f"loss={loss!r}: a DSpark drafter weighs its slots by 'decay' or 'dpace' (tree@N: DFlash and DFlash2)")
     weights = _terms(terms, final_hidden)
     h, labels, anchors, anchor_valid = _block_states(self, hidden_states, input_ids, loss_mask, anchors, anchor_valid, num_anchors,
                                                     generator, attn_impl, attn_chunk)
@@ -291,16 +291,17 @@ def _propose_sampled(self, context_hidden, last_token, start_pos=None, cache=Non
 def _tree_children(self, context_hidden, last_token, start_pos=None, cache=None, budget=16, warp=None):
     """The children of any node of a draft tree, for `grow_tree`: `(expand, B)`, `expand(path)` giving the tokens that may follow the
     drafted `path` and their log-probabilities, best first: slot len(path)'s logits after the path's last token (the anchor's for the
-    root), the top min(`budget`, V) of their log-softmax, or at T > 0 of `warp`'s probabilities, those above 0. One block (b = 1)."""
+    root), the top min(`budget`, V) of their log-softmax (over the depth's `tree_scale`), or at T > 0 of `warp`'s probabilities, those above 0. One block (b = 1)."""
     a = _anchor(self, last_token)
     h = self.draft_states(context_hidden, a, start_pos, cache)
     if h.shape[0] != 1: raise ValueError(f'a draft tree grows from one block: got a batch of {h.shape[0]}')
     U = self.logits(h)[0].float()
+    T = self.tree_scale(len(U), U.device)
     @torch.no_grad()                                          # called later, by `grow_tree`
     def expand(path):
         z = U[len(path)] + self.markov_head(torch.as_tensor([path[-1]], device=h.device) if path else a)[0].float()
         if warp is None:
-            lp, top = z.log_softmax(-1).topk(min(budget, len(z)))
+            lp, top = (z / T[len(path)]).log_softmax(-1).topk(min(budget, len(z)))
             return top, lp
         p, top = warp(z).topk(min(budget, len(z)))
         return top[p > 0], p[p > 0].log()
@@ -315,12 +316,13 @@ def _tree_expander(self, h, roots, k):
     (each anchor's token), `expand_many([(block, path), ...])` giving each node's top min(`k`, V) of the log-softmax of U_len(path) + W2 W1[the
     path's last token] (the root's for the root), best first, as `tree_children` gives them."""
     U, roots = self.logits(h).float(), torch.as_tensor(roots, device=h.device).reshape(-1)
+    T = self.tree_scale(U.shape[1], U.device)
     def expand(asks):
         if not asks: return []
         n = torch.tensor([a[0] for a in asks], device=h.device); d = torch.tensor([len(a[1]) for a in asks], device=h.device)
         prev = torch.tensor([a[1][-1] if a[1] else int(roots[a[0]]) for a in asks], device=h.device)
         once, which = prev.unique(return_inverse=True)
-        lp, top = (U[n, d] + self.markov_head(once).float()[which]).log_softmax(-1).topk(min(k, U.shape[-1]), -1)
+        lp, top = ((U[n, d] + self.markov_head(once).float()[which]) / T[d, None]).log_softmax(-1).topk(min(k, U.shape[-1]), -1)
         return list(zip(top.tolist(), lp.tolist()))
     return expand
 

@@ -24,7 +24,7 @@ from .designs import drafter_class
 from .publish import check_drafter
 from .cache import _ids, recurrent_mixers
 from .sampling import sampling_probs, Sampling, _draw, speculative_sample
-from .tree import grow_tree, tree_sample, check_tree_budget
+from .tree import grow_tree, tree_sample, check_tree_budget, read_tree_temperatures
 from .verify import _clock, _eval_mode, _chain_step, _tree_step
 
 # %% ../nbs/evaluate.ipynb #f8aaecc3
@@ -131,8 +131,10 @@ def finite_weights(path):
     return path
 
 def load_drafter(path, target):
-    "The DFlash or DFlash2 drafter saved in `path` (its weights finite), with `target` attached, on its device and in its dtype."
+    """The drafter saved in `path` (DFlash, DFlash2 or DSpark; its weights finite), with `target` attached, on its device and in its dtype;
+    its trees at the temperatures of its `tree_temperatures.json` where it has one (`treecal.ipynb`)."""
     model = drafter_class(finite_weights(path)).from_pretrained(path)
+    model.tree_temperatures = read_tree_temperatures(path, model.draft_len)
     return model.to(device=target.device, dtype=target.dtype).attach_target(target).eval()
 
 # %% ../nbs/evaluate.ipynb #edfc8dfc

@@ -17,7 +17,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 from .taps import default_layer_ids
 from .blocks import _flex, _has_flex, pad_anchors, sample_anchors, block_mask, anchor_chunks, flex_block_mask
-from .loss import _softcap, block_labels, DFlashOutput, _head_ce, _loss_weights, _head_loss, along_blocks
+from .loss import _softcap, block_labels, DFlashOutput, _head_ce, _loss_weights, _head_loss, along_blocks, tree_loss_budget
 
 # %% ../nbs/model.ipynb #6bd87dcf
 SLIDING, FULL = 'sliding_attention', 'full_attention'
@@ -284,10 +284,10 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
              generator=None, gamma=None, attn_impl=None, chunk=4096, return_logits=False, attn_chunk=64, vocab=None,
              loss='decay', dpace_alpha=0.5, selector_alpha=1.0, final_hidden=None, terms=None, teacher_transform=None):
     """Training forward: every block of every sequence at once; returns a `DFlashOutput`. `vocab`: score only these head rows (and
-    the labels'). `loss`: the slots' weights, 'decay' (`gamma`) or 'dpace' (`dpace_alpha`); `terms`: what each slot is scored by
+    the labels'). `loss`: the slots' weights, 'decay' (`gamma`), 'dpace' or 'tree@N' (`dpace_alpha`); `terms`: what each slot is scored by
     (`parse_terms`; None: CE), with the target's `final_hidden` states for a distribution term (its logits through the head and
     `teacher_transform`, the target's `(mult, cap)`; None: the drafter's `logit_transform`); `selector_alpha`: DFlash2's selector term."""
-    if loss not in ('decay', 'dpace'): raise ValueError(f"loss={loss!r}: 'decay' or 'dpace'")
+    tree_loss_budget(loss)                                              # 'decay', 'dpace' or 'tree@N', else refused with the choices
     h, labels, anchors, anchor_valid = _block_states(self, hidden_states, input_ids, loss_mask, anchors, anchor_valid, num_anchors,
                                                      generator, attn_impl, attn_chunk)
     keep = labels != -100
@@ -416,6 +416,15 @@ def _propose(self, context_hidden, last_token, start_pos=None, cache=None, tempe
     return self.draft(context_hidden, last_token, start_pos, cache).argmax(-1), None, None
 
 # %% ../nbs/model.ipynb #560f2264
+def _tree_scale(self, n, device=None):
+    """[n] divisors of the scores a tree ranks at depths 1..n: the drafter's `tree_temperatures` (fitted for its trees by `treecal.ipynb`,
+    read beside the weights), else ones. Chains never read them, nor a tree at T > 0 (it grows from the sampler's warp)."""
+    T = getattr(self, 'tree_temperatures', None)
+    if T is None: return torch.ones(n, device=device)
+    T = torch.as_tensor(T, dtype=torch.float32, device=device)
+    if len(T) < n or not (T > 0).all(): raise ValueError(f'tree_temperatures {T.tolist()}: need {n} positive numbers, one per drafted slot')
+    return T[:n]
+
 @torch.no_grad()
 def _tree_children(self, context_hidden, last_token, start_pos=None, cache=None, budget=16, warp=None):
     """The children of any node of a draft tree, for `grow_tree`: `(expand, slots)`, `expand(path)` giving the tokens that may follow the
@@ -425,6 +434,7 @@ def _tree_children(self, context_hidden, last_token, start_pos=None, cache=None,
     if logits.shape[0] != 1: raise ValueError(f'a draft tree grows from one block: got a batch of {logits.shape[0]}')
     x = logits[0].float()
     if warp is None:
+        x = x / self.tree_scale(len(x), x.device)[:, None]
         top, ids = torch.topk(x, min(budget, x.shape[-1]), dim=-1)            # as `build_tree` takes them
         lps = top - torch.logsumexp(x, -1, keepdim=True)
     else:
@@ -439,12 +449,13 @@ def _tree_expander(self, h, roots, k, chunk=1024):
     """The children of many blocks' tree nodes, for `grow_trees`: from their drafted-slot states `h` [N, L, H] and `roots` [N] (each block's
     token before its first drafted slot), `expand_many([(block, path), ...])` gives each node's `k` best next tokens and log-probabilities,
     best first, as `tree_children` does (`validate.ipynb` reads trees this way). DFlash: slot len(path)'s, whatever the path."""
-    x, lps, ids = h.reshape(-1, h.shape[-1]), [], []
+    x, lps, ids, T = h.reshape(-1, h.shape[-1]), [], [], self.tree_scale(h.shape[1], h.device).repeat(h.shape[0])
     for i in range(0, len(x), chunk):
-        z = self.logits(x[i:i + chunk]).float(); v, j = z.topk(min(k, z.shape[-1]), -1)
+        z = self.logits(x[i:i + chunk]).float() / T[i:i + chunk, None]; v, j = z.topk(min(k, z.shape[-1]), -1)
         lps.append(v - z.logsumexp(-1, keepdim=True)); ids.append(j)
     P, I = (torch.cat(t).view(*h.shape[:2], -1).tolist() for t in (lps, ids)) if lps else ([], [])
     return lambda asks: [(I[n][len(p)], P[n][len(p)]) for n, p in asks]
 
 DFlashDraftModel.propose, DFlashDraftModel.propose_sampled, DFlashDraftModel.tree_children, DFlashDraftModel.tree_expander = (
     _propose, _propose_sampled, _tree_children, _tree_expander)
+DFlashDraftModel.tree_scale, DFlashDraftModel.tree_temperatures = _tree_scale, None

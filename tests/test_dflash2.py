@@ -119,13 +119,13 @@ def test_selector_loss_recall_and_hits(setup):
         [n for n, p in d2.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
     d2.zero_grad(set_to_none=True)
 
-@pytest.mark.parametrize('loss', ['decay', 'dpace'])
+@pytest.mark.parametrize('loss', ['decay', 'dpace', 'tree@4'])
 def test_selector_alpha_adds_the_selector_term(setup, loss):
     _, _, d2, hs, ids, lm = setup
     with torch.no_grad(): o0, o1, o2 = (d2(hs, ids, lm, loss=loss, selector_alpha=a) for a in (0.0, 1.0, 2.0))
     assert o1.selector_loss > 0 and torch.allclose(o1.loss - o0.loss, o1.selector_loss, atol=1e-5)
     assert torch.allclose(o2.loss - o0.loss, 2 * o1.selector_loss, atol=1e-5)
-    assert o0.weight == 2 if loss == 'dpace' else torch.allclose(o0.weight, slot_weights(B).expand_as(o0.labels)[o0.labels != -100].sum())
+    assert o0.weight == 2 if loss != 'decay' else torch.allclose(o0.weight, slot_weights(B).expand_as(o0.labels)[o0.labels != -100].sum())
 
 def self_drafted(d, hs, S=40, seed=0):
     """Token rows whose blocks at anchors 2, 2 + (B-1), ... are the drafter's own greedy path with one token changed at a random

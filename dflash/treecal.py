@@ -6,7 +6,7 @@
 __all__ = ['GRID', 'tempered', 'labelled_blocks', 'tree_accepted', 'fit_tree_temperatures', 'calibrate_tree', 'TreecalConfig',
            'treecal_job', 'treecal_cli']
 
-# %% ../nbs/treecal.ipynb #14db87ce
+# %% ../nbs/treecal.ipynb #a63fe92d
 import json, math
 from dataclasses import dataclass
 from contextlib import contextmanager
@@ -15,15 +15,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 from .core import Job, param, run_cli
-from .batching import token_budget_batches
-from .shards import ExtractedDataset, collate
-from .blocks import sample_anchors, anchor_generator
 from .taps import load_target
 from .tree import check_tree_budget, _tree_T_checked, read_tree_temperatures, write_tree_temperatures
-from .validate import _final_states, _labelled_states, _grown, tree_reading
+from .validate import heldout_forwards, _final_states, _labelled_states, _grown, tree_reading
 from .evaluate import load_drafter
 
-# %% ../nbs/treecal.ipynb #c170a6f3
+# %% ../nbs/treecal.ipynb #1c90ef16
 @contextmanager
 def tempered(drafter, temperatures):
     "Within: `drafter`'s trees grow with `temperatures` (None: at temperature 1); its own come back after."
@@ -32,27 +29,17 @@ def tempered(drafter, temperatures):
     try: yield drafter
     finally: drafter.tree_temperatures = was
 
-# %% ../nbs/treecal.ipynb #a228a617
+# %% ../nbs/treecal.ipynb #5e5045bf
 @torch.no_grad()
 def labelled_blocks(drafter, xds, token_budget=8192, max_samples=None, seed=0, progress=False):
     """Every labelled block of the held-out replies in `xds` (an `ExtractedDataset` or its path), as `heldout_acceptance` reads them: the
     drafted slots' final states `h` [N, L, H], `roots` [N], `labels` [N, L], and `seqs` [N] (the row of `xds` each came from)."""
-    xds = ExtractedDataset(xds) if not isinstance(xds, ExtractedDataset) else xds
-    dev, n = drafter.fc.weight.device, len(xds) if max_samples is None else min(max_samples, len(xds))
-    parts, was = [], drafter.training
-    drafter.eval()
-    try:
-        with _final_states(drafter) as seen:
-            for j, batch in enumerate(tqdm(token_budget_batches(xds.lengths[:n], token_budget, warn=False), desc='blocks', disable=not progress)):
-                rows = [xds[int(i)] for i in batch]
-                hs, ids, lm = collate(torch.cat([r['hidden_states'] for r in rows]), torch.cat([r['input_ids'] for r in rows]),
-                                      torch.cat([r['loss_mask'] for r in rows]), [len(r['input_ids']) for r in rows])
-                a, valid = sample_anchors(lm, ids.shape[1], anchor_generator(seed, 0, j))
-                out = drafter(hs.to(dev), ids.to(dev), lm.to(dev), anchors=a.to(dev), anchor_valid=valid.to(dev), chunk=1024, terms='ce')
-                ok = (valid.bool().to(out.labels.device) & (out.labels[..., 0] != -100)).cpu()
-                h, roots, labels = _labelled_states(drafter, seen, out, valid, ids)
-                parts.append((h.float(), roots.cpu(), labels.cpu(), torch.as_tensor([int(i) for i in batch])[:, None].expand(ok.shape)[ok]))
-    finally: drafter.train(was)
+    parts = []
+    with _final_states(drafter) as seen:
+        for rows, out, valid, ids in heldout_forwards(drafter, xds, token_budget, None, max_samples, seed, 'blocks', progress):
+            ok = (valid.bool().to(out.labels.device) & (out.labels[..., 0] != -100)).cpu()
+            h, roots, labels = _labelled_states(drafter, seen, out, valid, ids)
+            parts.append((h.float(), roots.cpu(), labels.cpu(), torch.as_tensor(rows)[:, None].expand(ok.shape)[ok]))
     return tuple(torch.cat([p[k] for p in parts]) for k in range(4))
 
 def tree_accepted(drafter, h, roots, labels, budgets):
@@ -61,7 +48,7 @@ def tree_accepted(drafter, h, roots, labels, budgets):
     trees, _ = _grown(drafter, h, roots, labels, budgets[-1])
     return tree_reading(trees, labels, budgets)[0]
 
-# %% ../nbs/treecal.ipynb #79e52d5d
+# %% ../nbs/treecal.ipynb #24e39cdc
 GRID = tuple(float(np.exp(x)) for x in np.linspace(-1, 1, 9))      # e^-1 .. e^1: 0.37 .. 2.72
 
 @contextmanager
@@ -97,7 +84,7 @@ def fit_tree_temperatures(drafter, h, roots, labels, budget=16, grid=GRID, sweep
         bar.close()
     return T, start, best
 
-# %% ../nbs/treecal.ipynb #4b56cffc
+# %% ../nbs/treecal.ipynb #9741f0db
 def _paired(a, b):
     "Mean of `b` - `a` per column, and its standard error, over the same blocks (rows)."
     d = np.asarray(b, float) - np.asarray(a, float)
@@ -122,7 +109,7 @@ def calibrate_tree(drafter, xds, budget=16, budgets=(4, 16, 64), max_blocks=1024
     return dict(temperatures=T, budget=budget, grid=[round(g, 4) for g in GRID], fit_blocks=len(fit), fit_tau=[round(1 + a0, 4), round(1 + a1, 4)],
                 test_blocks=len(test), before=r(1 + before.mean(0)), after=r(1 + after.mean(0)), gain=r(gain), gain_se=r(se), seed=seed)
 
-# %% ../nbs/treecal.ipynb #cd7002a6
+# %% ../nbs/treecal.ipynb #2f951783
 @dataclass
 class TreecalConfig(Job):
     "Fit a drafter's per-slot tree temperatures on held-out replies, and keep them beside its weights."
@@ -145,7 +132,7 @@ class TreecalConfig(Job):
         except ValueError as e: raise ValueError(f'budgets={self.budgets!r}: tree budgets, comma-separated (e.g. 4,16,64): {e}') from None
         return self
 
-# %% ../nbs/treecal.ipynb #3d91fd7c
+# %% ../nbs/treecal.ipynb #69c6b3f7
 def treecal_job(*args, **kw):
     "Fit the drafter's tree temperatures (see `TreecalConfig`) and write them beside its weights; returns the record written."
     job = args[0] if args and isinstance(args[0], Job) else TreecalConfig(*args, **kw)

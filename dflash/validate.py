@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['TREE_CHUNK', 'SPEEDUP', 'accepted_lengths', 'walk', 'tree_reading', 'top1_bins', 'calibration', 'Acceptance',
-           'heldout_acceptance', 'check_best', 'tree_budget', 'tree_budgets', 'check_best_by', 'figure',
-           'speedup_figures', 'resolution', 'better', 'Validator']
+           'heldout_forwards', 'heldout_acceptance', 'check_best', 'tree_budget', 'tree_budgets', 'check_best_by',
+           'figure', 'speedup_figures', 'resolution', 'better', 'Validator']
 
 # %% ../nbs/validate.ipynb #89db76aa
 import json, math, os, shutil, sys, time
@@ -193,28 +193,35 @@ def _grown(drafter, h, roots, labels, budget):
     return trees, (lp1, id1)
 
 @torch.no_grad()
+def heldout_forwards(drafter, xds, token_budget=8192, anchors=None, max_samples=None, seed=0, desc='held-out', progress=False):
+    """The drafter's training forward (CE, no gradient, in eval mode) over the first `max_samples` rows of `xds` (an `ExtractedDataset`
+    or its path), a token-budget batch at a time, blocks at `anchors` positions a row (None: every loss position; the same blocks every
+    call): yields `(rows of xds, out, anchor_valid, input_ids)` per batch."""
+    xds = ExtractedDataset(xds) if not isinstance(xds, ExtractedDataset) else xds
+    dev, n, was = drafter.fc.weight.device, len(xds) if max_samples is None else min(max_samples, len(xds)), drafter.training
+    drafter.eval()
+    try:
+        for j, batch in enumerate(tqdm(token_budget_batches(xds.lengths[:n], token_budget, warn=False), desc=desc, disable=not progress)):
+            rows = [xds[int(i)] for i in batch]
+            hs, ids, lm = collate(torch.cat([r['hidden_states'] for r in rows]), torch.cat([r['input_ids'] for r in rows]),
+                                  torch.cat([r['loss_mask'] for r in rows]), [len(r['input_ids']) for r in rows])
+            a, valid = sample_anchors(lm, anchors or ids.shape[1], anchor_generator(seed, 0, j))
+            yield [int(i) for i in batch], drafter(hs.to(dev), ids.to(dev), lm.to(dev), anchors=a.to(dev), anchor_valid=valid.to(dev), chunk=1024, terms='ce'), valid, ids
+    finally: drafter.train(was)
+
+@torch.no_grad()
 def heldout_acceptance(drafter, xds, token_budget=8192, anchors=None, max_samples=None, max_new_tokens=None, seed=0, tree_budgets=(), progress=False):
     """Held-out acceptance of `drafter` (a `DFlashDraftModel`, its target attached) on `xds` (an `ExtractedDataset` or its path);
     `max_new_tokens` caps the walk as the loop caps a decode; `tree_budgets`: DDTree's trees of these budgets too, from the same
     forward, each grown as the drafter grows its trees in the loop. Returns `Acceptance.result()`."""
-    xds = ExtractedDataset(xds) if not isinstance(xds, ExtractedDataset) else xds
     for b in tree_budgets or (): check_tree_budget(b, 'tree_budgets')
-    dev, n = drafter.fc.weight.device, len(xds) if max_samples is None else min(max_samples, len(xds))
-    acc, was = Acceptance(drafter.draft_len + 1, max_new_tokens, tree_budgets), drafter.training   # a verify block: the last token and the drafts
-    drafter.eval()
-    try:
-        with (_final_states(drafter) if acc.budgets else nullcontext()) as seen:
-            for j, batch in enumerate(tqdm(token_budget_batches(xds.lengths[:n], token_budget, warn=False), desc='held-out', disable=not progress)):
-                rows = [xds[int(i)] for i in batch]
-                hs, ids, lm = collate(torch.cat([r['hidden_states'] for r in rows]), torch.cat([r['input_ids'] for r in rows]),
-                                      torch.cat([r['loss_mask'] for r in rows]), [len(r['input_ids']) for r in rows])
-                a, valid = sample_anchors(lm, anchors or ids.shape[1], anchor_generator(seed, 0, j))
-                out = drafter(hs.to(dev), ids.to(dev), lm.to(dev), anchors=a.to(dev), anchor_valid=valid.to(dev), chunk=1024, terms='ce')
-                t0 = time.perf_counter()
-                trees = _grown(drafter, *_labelled_states(drafter, seen, out, valid, ids), acc.budgets[-1]) if acc.budgets else None
-                acc.tree_s += time.perf_counter() - t0
-                acc.add(out, valid, every=anchors is None, trees=trees)
-    finally: drafter.train(was)
+    acc = Acceptance(drafter.draft_len + 1, max_new_tokens, tree_budgets)   # a verify block: the last token and the drafts
+    with (_final_states(drafter) if acc.budgets else nullcontext()) as seen:
+        for _, out, valid, ids in heldout_forwards(drafter, xds, token_budget, anchors, max_samples, seed, progress=progress):
+            t0 = time.perf_counter()
+            trees = _grown(drafter, *_labelled_states(drafter, seen, out, valid, ids), acc.budgets[-1]) if acc.budgets else None
+            acc.tree_s += time.perf_counter() - t0
+            acc.add(out, valid, every=anchors is None, trees=trees)
     return acc.result()
 
 # %% ../nbs/validate.ipynb #6e4fa026

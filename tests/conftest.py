@@ -1,5 +1,5 @@
 "Fixtures every test file shares: the embedded tokenizer, random-weight targets of real architectures, saved target directories."
-import os
+import os, shutil
 import pytest, torch
 import transformers as T
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -22,9 +22,11 @@ def pytest_collection_modifyitems(items):
 def errors_dir(tmp_path_factory):
     "Failed CLI calls (the tests make many on purpose) leave their tracebacks here, not in the machine's temporary folder."
     if os.environ.get('DFLASH_ERRORS'): yield os.environ['DFLASH_ERRORS']; return
-    os.environ['DFLASH_ERRORS'] = str(tmp_path_factory.mktemp('errors'))
+    d = tmp_path_factory.mktemp('errors')
+    os.environ['DFLASH_ERRORS'] = str(d)
     yield os.environ['DFLASH_ERRORS']
     os.environ.pop('DFLASH_ERRORS', None)
+    shutil.rmtree(d, ignore_errors=True)                              # read by the tests that want them; nothing left behind
 
 
 @pytest.fixture(scope='session', autouse=True)

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['SLIDING', 'FULL', 'DFlashConfig', 'drafter_config', 'DFlashAttention', 'DFlashDecoderLayer', 'DFlashDraftModel',
-           'feature_scale_of', 'DraftCache']
+           'feature_scale_of']
 
 # %% ../nbs/model.ipynb #149b3545
 import math, warnings
@@ -17,6 +17,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 from .taps import default_layer_ids
 from .blocks import _flex, _has_flex, pad_anchors, sample_anchors, block_mask, anchor_chunks, flex_block_mask
+from .draft_cache import DraftCache
 from .loss import _softcap, block_labels, DFlashOutput, _head_ce, _loss_weights, _head_loss, along_blocks, tree_loss_budget
 
 # %% ../nbs/model.ipynb #6bd87dcf
@@ -338,28 +339,6 @@ def _served_state_dict(self):
     return sd
 
 DFlashDraftModel.set_feature_scale, DFlashDraftModel.served_state_dict = _set_feature_scale, _served_state_dict
-
-# %% ../nbs/model.ipynb #9a6be64c
-class DraftCache:
-    """Per-layer context keys and values (already `k_norm`ed and rotated) of positions 0..len-1. A sliding layer of window W
-    keeps the last W-1 positions, all a block reads, plus `slack` to rewind: its memory is bounded however long the context."""
-    def __init__(self, windows=None, slack=16): self.windows, self.slack, self.k, self.v, self.first = windows, slack, [], [], []
-    def __len__(self): return self.first[0] + self.k[0].shape[2] if self.k else 0
-    def _keep(self, i): return None if not self.windows or self.windows[i] is None else self.windows[i] - 1 + self.slack
-
-    def append(self, i, k, v):
-        if i == len(self.k): self.k.append(k); self.v.append(v); self.first.append(0)
-        else: self.k[i], self.v[i] = torch.cat([self.k[i], k], 2), torch.cat([self.v[i], v], 2)
-        if (m := self._keep(i)) is not None and (drop := self.k[i].shape[2] - m) > 0:
-            self.k[i], self.v[i], self.first[i] = self.k[i][:, :, drop:], self.v[i][:, :, drop:], self.first[i] + drop
-
-    def crop(self, n):
-        "Keep positions 0..n-1 (after a rejected draft, or to rewind); a sliding layer cannot rewind past what it dropped."
-        for i, f in enumerate(self.first):             # f > 0: a sliding layer that dropped positions; a block at n reads back to n - (W-1)
-            if f and f > max(0, n - (self.windows[i] - 1)):
-                raise ValueError(f'layer {i} (window {self.windows[i]}) keeps positions from {f} on: cannot rewind to {n}')
-        self.k, self.v = [k[:, :, :n - f] for k, f in zip(self.k, self.first)], [v[:, :, :n - f] for v, f in zip(self.v, self.first)]
-        return self
 
 # %% ../nbs/model.ipynb #cce9ebde
 @torch.no_grad()

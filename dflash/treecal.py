@@ -45,7 +45,7 @@ def labelled_blocks(drafter, xds, token_budget=8192, max_samples=None, seed=0, p
 def tree_accepted(drafter, h, roots, labels, budgets):
     "The reply's tokens each block's tree holds at each of `budgets` (ascending), grown by the drafter at its `tree_temperatures`: [N, len(budgets)]."
     budgets = sorted({check_tree_budget(int(b), 'budgets') for b in budgets})
-    trees, _ = _grown(drafter, h, roots, labels, budgets[-1])
+    trees, _ = _grown(drafter, h, roots, labels, budgets[-1], top1=False)   # the trees only: the fit grows them many times
     return tree_reading(trees, labels, budgets)[0]
 
 # %% ../nbs/treecal.ipynb #55b2a1a7

@@ -180,17 +180,19 @@ def _labelled_states(drafter, seen, out, valid, input_ids):
 
 TREE_CHUNK = 64          # blocks whose trees grow side by side: the drafter answers each round for all of them in one call
 
-def _grown(drafter, h, roots, labels, budget):
-    """Each block's tree at `budget`, grown by the drafter's own `tree_expander` (as the loop grows it), and its slots' best token
-    teacher-forced along the reply ([N, L, 1] log-probabilities and ids; -inf and -1 where a slot has no label), `TREE_CHUNK` at a time."""
+def _grown(drafter, h, roots, labels, budget, top1=True):
+    """Each block's tree at `budget`, grown by the drafter's own `tree_expander` (as the loop grows it), and with `top1` its slots' best
+    token teacher-forced along the reply ([N, L, 1] log-probabilities and ids; -inf and -1 where a slot has no label; else None),
+    `TREE_CHUNK` at a time."""
     N, L = labels.shape
     trees, lp1, id1 = [], torch.full((N, L, 1), -math.inf), torch.full((N, L, 1), -1, dtype=torch.long)
     for i in range(0, N, TREE_CHUNK):
         lab, expand = labels[i:i + TREE_CHUNK].tolist(), drafter.tree_expander(h[i:i + TREE_CHUNK], roots[i:i + TREE_CHUNK], budget)
         trees += grow_trees(expand, len(lab), budget, L)
+        if not top1: continue
         asks = [(n, tuple(y[:d])) for n, y in enumerate(lab) for d in range(L) if y[d] != -100 and -100 not in y[:d]]
         for (n, path), (toks, lps) in zip(asks, expand(asks)): id1[i + n, len(path), 0], lp1[i + n, len(path), 0] = toks[0], lps[0]
-    return trees, (lp1, id1)
+    return trees, (lp1, id1) if top1 else None
 
 @torch.no_grad()
 def heldout_forwards(drafter, xds, token_budget=8192, anchors=None, max_samples=None, seed=0, desc='held-out', progress=False):

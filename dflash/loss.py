@@ -142,8 +142,8 @@ def dpace_weights(ce, valid, alpha=0.5):
 
 def _loss_weights(labels, ce, loss='decay', gamma=None, alpha=0.5, top_lp=None):
     """`(w, norm)`: the weight of each label (those != -100, in order) and the loss's denominator. 'decay': fixed slot weights over
-    their sum; 'dpace': `dpace_weights` over the valid anchors of each sequence, times the sequences with one; 'tree@N': `tree_weights`
-    from `top_lp` (each label's row's top log-probabilities, [labels, K]), normalized as 'dpace'."""
+    their sum; 'dpace': `dpace_weights` over the valid anchors of each sequence, times the sequences with one; 'tree@N' and 'treegrad@N':
+    `tree_weights` from `top_lp` (each label's row's top log-probabilities, [labels, K]), normalized as 'dpace'."""
     keep = labels != -100
     if loss == 'decay':
         w = slot_weights(labels.shape[-1] + 1, gamma, labels.device).expand_as(labels)[keep]
@@ -153,7 +153,7 @@ def _loss_weights(labels, ce, loss='decay', gamma=None, alpha=0.5, top_lp=None):
     anchors = keep.any(-1).sum(-1)                                     # A_b: blocks with a label, per sequence
     if N:
         tops = torch.full((*labels.shape, top_lp.shape[-1]), -math.inf, device=labels.device).masked_scatter(keep[..., None], top_lp.detach().float())
-        w = tree_weights(-slots, tops, keep, N, alpha)
+        w = tree_weights(-slots, tops, keep, N, alpha, grad=loss.startswith('treegrad'))
     else: w = dpace_weights(slots, keep, alpha)
     w = w / anchors.clamp_min(1)[:, None, None]
     return w[keep], (anchors > 0).sum().float()
@@ -162,11 +162,12 @@ def _loss_weights(labels, ce, loss='decay', gamma=None, alpha=0.5, top_lp=None):
 MAX_TRAIN_TREE = 256       # tree@N scores every slot's top N rows in each step
 
 def tree_loss_budget(loss):
-    "The budget N of the slot weights 'tree@N', None for 'decay' and 'dpace'; a ValueError naming the choices for anything else."
+    "The budget N of the slot weights 'tree@N' and 'treegrad@N', None for 'decay' and 'dpace'; a ValueError naming the choices for anything else."
     if loss in ('decay', 'dpace'): return None
     head, _, n = str(loss).partition('@')
-    if head != 'tree' or not n.isdigit() or not 1 <= int(n) <= MAX_TRAIN_TREE:
-        raise ValueError(f"loss={loss!r}: 'decay', 'dpace', or 'tree@N' (the slots weighted by DDTree's reach at N nodes, 1 <= N <= {MAX_TRAIN_TREE})")
+    if head not in ('tree', 'treegrad') or not n.isdigit() or not 1 <= int(n) <= MAX_TRAIN_TREE:
+        raise ValueError(f"loss={loss!r}: 'decay', 'dpace', 'tree@N' or 'treegrad@N' (the slots weighted by DDTree's reach at N nodes, or by its "
+                         f"gradient, 1 <= N <= {MAX_TRAIN_TREE})")
     return int(n)
 
 def tree_threshold(top_lp, budget):
@@ -183,14 +184,15 @@ def tree_threshold(top_lp, budget):
     P = torch.cat(paths, -1)
     return P.topk(min(N, P.shape[-1]), -1).values[..., -1]
 
-def tree_weights(lp, top_lp, valid, budget, alpha=0.5):
+def tree_weights(lp, top_lp, valid, budget, alpha=0.5, grad=False):
     """Tree weights [..., L] of slots 1..L from the labels' log-probabilities `lp` [..., L] and each slot's top log-probabilities `top_lp`
     [..., L, K]: w_j = sum_{k >= j} rho~_k, rho_k = min(1, P_k / tau) (P_k = prod_{i <= k} p_i, tau = `tree_threshold`), rho~ = (1 - alpha)
-    rho + alpha; a slot not `valid` ends the prefix. Detached."""
+    rho + alpha; with `grad`, rho_k counts only where P_k < tau (the gradient of sum_k rho_k). A slot not `valid` ends the prefix. Detached."""
     if not 0 <= alpha <= 1: raise ValueError(f'dpace_alpha={alpha}: must be in [0, 1]')
     reach = valid.float().cumprod(-1)
     logP = (lp.detach().float() * reach).cumsum(-1)
-    rho = (logP - tree_threshold(top_lp.detach().float(), budget)[..., None]).clamp(max=0).exp()
+    gap = logP - tree_threshold(top_lp.detach().float(), budget)[..., None]
+    rho = gap.clamp(max=0).exp() * ((gap < 0) if grad else 1)
     return (((1 - alpha) * rho + alpha) * reach).flip(-1).cumsum(-1).flip(-1)
 
 # %% ../nbs/loss.ipynb #a7e10542

@@ -285,10 +285,10 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
              generator=None, gamma=None, attn_impl=None, chunk=4096, return_logits=False, attn_chunk=64, vocab=None,
              loss='decay', dpace_alpha=0.5, selector_alpha=1.0, final_hidden=None, terms=None, teacher_transform=None):
     """Training forward: every block of every sequence at once; returns a `DFlashOutput`. `vocab`: score only these head rows (and
-    the labels'). `loss`: the slots' weights, 'decay' (`gamma`), 'dpace' or 'tree@N' (`dpace_alpha`); `terms`: what each slot is scored by
+    the labels'). `loss`: the slots' weights, 'decay' (`gamma`), 'dpace', 'tree@N' or 'treegrad@N' (`dpace_alpha`); `terms`: what each slot is scored by
     (`parse_terms`; None: CE), with the target's `final_hidden` states for a distribution term (its logits through the head and
     `teacher_transform`, the target's `(mult, cap)`; None: the drafter's `logit_transform`); `selector_alpha`: DFlash2's selector term."""
-    tree_loss_budget(loss)                                              # 'decay', 'dpace' or 'tree@N', else refused with the choices
+    tree_loss_budget(loss)                                              # 'decay', 'dpace', 'tree@N' or 'treegrad@N', else refused with the choices
     h, labels, anchors, anchor_valid = _block_states(self, hidden_states, input_ids, loss_mask, anchors, anchor_valid, num_anchors,
                                                      generator, attn_impl, attn_chunk)
     keep = labels != -100

@@ -81,11 +81,12 @@ class TrainConfig(Job):
     warmup: float | None = param(None, 'warmup: a fraction of the steps (< 1) or a number of steps; None: 0.04 (recipe), 0.05 (demo)', min=0)
     weight_decay: float | None = param(None, 'AdamW weight decay; None: 0 (recipe), 0.01 (demo)', min=0)
     loss: str | None = param(None, "the slots' weights: decay (exp(-(k-1)/gamma)), dpace (from the drafter's own confidence, arXiv 2605.18810), or "
-                                   "tree@N (DDTree's reach at N nodes, for a drafter served as a tree; DFlash and DFlash2, loss_terms ce); "
+                                   "tree@N (DDTree's reach at N nodes, for a drafter served as a tree; DFlash and DFlash2, loss_terms ce), treegrad@N (the "
+                                   "gradient of that reach: the prefixes at the tree's edge); "
                                    "None: dpace (recipe), decay (demo)")
     dpace_alpha: float = param(0.5, "D-PACE's smoothing of the confidence q: (1 - alpha) q + alpha, in (0, 1] (at 0 the weights are products of "
                                "the drafter's own confidence, about 1/V each: nothing is learnt)", gt=0, max=1,
-                               needs=(lambda c: c.loss == 'dpace' or str(c.loss).startswith('tree@'), "loss='dpace' or 'tree@N'"))
+                               needs=(lambda c: c.loss == 'dpace' or str(c.loss).startswith(('tree@', 'treegrad@')), "loss='dpace', 'tree@N' or 'treegrad@N'"))
     selector_alpha: float = param(1.0, "DFlash2: the weight of the selector's cross-entropy in the loss", min=0,
                                   needs=(lambda c: c.arch == 'dflash2', "arch='dflash2'"))
     loss_terms: str | None = param(None, "what each drafted slot is scored by: ce (its label), or against the target's own distribution kl "

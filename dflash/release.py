@@ -104,6 +104,8 @@ def _loss_said(cfg, model):
              ('1 - TV' if needs_target(terms) else "the slot's hit (1 - TV where the target's final states came with the data)"))]
     if cfg.loss == 'dpace': slots = f"D-PACE (alpha {cfg.dpace_alpha}: from the drafter's own confidence)"
     elif str(cfg.loss).startswith('tree@'): slots = f"its DDTree tree's reach at {cfg.loss[5:]} nodes (alpha {cfg.dpace_alpha}: from the drafter's own probabilities)"
+    elif str(cfg.loss).startswith('treegrad@'):
+        slots = f"the gradient of its DDTree tree's reach at {cfg.loss[9:]} nodes (alpha {cfg.dpace_alpha}: from the drafter's own probabilities)"
     else:
         k0, g = design.first_slot, design.decay_gamma(B) or GAMMA.get(B, 7.0)
         slots = f'the decay exp(-{"k" if k0 == 0 else f"(k-{k0})"}/{g:g}), k = {k0}..{B - 1}'

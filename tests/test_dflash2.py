@@ -119,7 +119,7 @@ def test_selector_loss_recall_and_hits(setup):
         [n for n, p in d2.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
     d2.zero_grad(set_to_none=True)
 
-@pytest.mark.parametrize('loss', ['decay', 'dpace', 'tree@4'])
+@pytest.mark.parametrize('loss', ['decay', 'dpace', 'tree@4', 'treegrad@4'])
 def test_selector_alpha_adds_the_selector_term(setup, loss):
     _, _, d2, hs, ids, lm = setup
     with torch.no_grad(): o0, o1, o2 = (d2(hs, ids, lm, loss=loss, selector_alpha=a) for a in (0.0, 1.0, 2.0))

@@ -344,7 +344,7 @@ def test_nan_options_fail_before_any_work(w, tmp_path):
 
 
 INERT = [(['--selector-alpha', '0.5'], "selector_alpha=0.5 has no effect: it is read only with arch='dflash2'"),
-         (['--dpace-alpha', '0.3'], "dpace_alpha=0.3 has no effect: it is read only with loss='dpace' or 'tree@N'"),
+         (['--dpace-alpha', '0.3'], "dpace_alpha=0.3 has no effect: it is read only with loss='dpace', 'tree@N' or 'treegrad@N'"),
          (['--train-vocab-tail', '16'], 'train_vocab_tail=16 has no effect: it is read only with train_vocab'),
          (['--eval-top-p', '0.9'], 'eval_top_p=0.9 has no effect: it is read only with eval_temperature > 0'),
          (['--eval-top-k', '5'], 'eval_top_k=5 has no effect: it is read only with eval_temperature > 0'),
@@ -403,12 +403,14 @@ def test_a_tracker_store_that_cannot_be_written_stops_the_job_at_its_start(w, tm
 
 
 def test_tree_loss_from_the_shell(w, tmp_path):
-    "loss tree@N: a run trains with it and its card names it; DSpark, a distribution term and a malformed name are refused before any work."
+    "loss tree@N and treegrad@N: a run trains with each and its card names it; DSpark, a distribution term and a malformed name are refused before any work."
     args = ['--target', w / 'target', '--extracted', w / 'x', *BASE, '--max-steps', '2']
     assert cli(train_cli, *args, '--out', tmp_path / 'run', '--loss', 'tree@4')[0] == 0
     assert "its DDTree tree's reach at 4 nodes" in (tmp_path / 'run' / 'drafter' / 'README.md').read_text()
-    for extra, msg in ((['--loss', 'tree@4', '--arch', 'dspark'], "a DSpark drafter weighs its slots by 'decay' or 'dpace'"),
+    assert cli(train_cli, *args, '--out', tmp_path / 'grad', '--loss', 'treegrad@4')[0] == 0
+    assert "the gradient of its DDTree tree's reach at 4 nodes" in (tmp_path / 'grad' / 'drafter' / 'README.md').read_text()
+    for extra, msg in ((['--loss', 'treegrad@4', '--arch', 'dspark'], "a DSpark drafter weighs its slots by 'decay' or 'dpace'"),
                        (['--loss', 'tree@4', '--loss-terms', 'ce:0.5,kl:0.5'], 'with loss_terms ce, not ce:0.5,kl:0.5'),
-                       (['--loss', 'tree'], "'decay', 'dpace', or 'tree@N'"), (['--loss', 'tree@999'], "'decay', 'dpace', or 'tree@N'")):
+                       (['--loss', 'tree'], "'decay', 'dpace', 'tree@N' or 'treegrad@N'"), (['--loss', 'tree@999'], "'decay', 'dpace', 'tree@N' or 'treegrad@N'")):
         fails(train_cli, *args, '--out', tmp_path / 'bad', *extra, msg=msg)
         assert not (tmp_path / 'bad').exists()

@@ -371,7 +371,7 @@ def test_dpace_loss_of_the_forward(setup):
     drafter.zero_grad(set_to_none=True)
     decay = drafter(hs, ids, lm, anchors=anchors, anchor_valid=valid)
     assert not torch.allclose(decay.loss, out.loss) and torch.allclose(decay.weight, slot_weights(B).expand_as(keep)[keep].sum())
-    with pytest.raises(ValueError, match="'decay', 'dpace', or 'tree@N'"): drafter(hs, ids, lm, loss='pace')
+    with pytest.raises(ValueError, match="'decay', 'dpace', 'tree@N' or 'treegrad@N'"): drafter(hs, ids, lm, loss='pace')
 
 def test_logit_transforms_and_embedding_scale(setup):
     "`output_multiplier`, `final_logit_softcapping` and `input_embedding_scale` (from dflash_config, else the top level) in the loss and its gradient."

@@ -79,7 +79,7 @@ def test_dpace_is_a_parameter_and_changes_the_loss(w, tmp_path):
     (dec, src), (dp, _) = trainer(w, tmp_path, name='dec', loss='decay'), trainer(w, tmp_path, name='dp', loss='dpace')
     item = src.get()
     assert dec.micro_step(item, True).loss.item() != dp.micro_step(item, True).loss.item()
-    fails(train_cli, '--target', w / 'target', '--extracted', w / 'x', '--out', tmp_path / 'bad', '--loss', 'focal', msg="loss='focal': 'decay', 'dpace', or 'tree@N'")
+    fails(train_cli, '--target', w / 'target', '--extracted', w / 'x', '--out', tmp_path / 'bad', '--loss', 'focal', msg="loss='focal': 'decay', 'dpace', 'tree@N' or 'treegrad@N'")
     assert trainer(w, tmp_path, name='default')[0].cfg.loss == 'dpace'          # the recipe's loss for a real target
 
 

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from .core import Job, param, run_cli
 from .taps import load_target
 from .tree import check_tree_budget, _tree_T_checked, read_tree_temperatures, write_tree_temperatures
-from .validate import heldout_forwards, _final_states, _labelled_states, _grown, tree_reading
+from .validate import heldout_forwards, catch_final_states, labelled_states, grow_block_trees, tree_reading
 from .evaluate import load_drafter
 
 # %% ../nbs/treecal.ipynb #25a25f84
@@ -35,17 +35,17 @@ def labelled_blocks(drafter, xds, token_budget=8192, max_samples=None, seed=0, p
     """Every labelled block of the held-out replies in `xds` (an `ExtractedDataset` or its path), as `heldout_acceptance` reads them: the
     drafted slots' final states `h` [N, L, H], `roots` [N], `labels` [N, L], and `seqs` [N] (the row of `xds` each came from)."""
     parts = []
-    with _final_states(drafter) as seen:
+    with catch_final_states(drafter) as seen:
         for rows, out, valid, ids in heldout_forwards(drafter, xds, token_budget, None, max_samples, seed, 'blocks', progress):
             ok = (valid.bool().to(out.labels.device) & (out.labels[..., 0] != -100)).cpu()
-            h, roots, labels = _labelled_states(drafter, seen, out, valid, ids)
+            h, roots, labels = labelled_states(drafter, seen, out, valid, ids)
             parts.append((h.float(), roots.cpu(), labels.cpu(), torch.as_tensor(rows)[:, None].expand(ok.shape)[ok]))
     return tuple(torch.cat([p[k] for p in parts]) for k in range(4))
 
 def tree_accepted(drafter, h, roots, labels, budgets):
     "The reply's tokens each block's tree holds at each of `budgets` (ascending), grown by the drafter at its `tree_temperatures`: [N, len(budgets)]."
     budgets = sorted({check_tree_budget(int(b), 'budgets') for b in budgets})
-    trees, _ = _grown(drafter, h, roots, labels, budgets[-1], top1=False)   # the trees only: the fit grows them many times
+    trees, _ = grow_block_trees(drafter, h, roots, labels, budgets[-1], top1=False)   # the trees only: the fit grows them many times
     return tree_reading(trees, labels, budgets)[0]
 
 # %% ../nbs/treecal.ipynb #55b2a1a7

@@ -4,8 +4,9 @@
 
 # %% auto #0
 __all__ = ['TREE_CHUNK', 'SPEEDUP', 'accepted_lengths', 'walk', 'tree_reading', 'top1_bins', 'calibration', 'Acceptance',
-           'heldout_forwards', 'heldout_acceptance', 'check_best', 'tree_budget', 'tree_budgets', 'check_best_by',
-           'figure', 'speedup_figures', 'resolution', 'better', 'Validator']
+           'catch_final_states', 'labelled_states', 'grow_block_trees', 'heldout_forwards', 'heldout_acceptance',
+           'check_best', 'tree_budget', 'tree_budgets', 'check_best_by', 'figure', 'speedup_figures', 'resolution',
+           'better', 'Validator']
 
 # %% ../nbs/validate.ipynb #89db76aa
 import json, math, os, shutil, sys, time
@@ -107,7 +108,7 @@ class Acceptance:
     def add(self, out, valid, every=False, trees=None):
         """One forward's `DFlashOutput` and its anchors' validity [b, A]; `every`: its anchors are every position (the walk can run);
         `trees`: with tree budgets, `(trees, top1)` of its N blocks that have a label, in order: each one's `Tree` at the largest budget,
-        and its slots' best token teacher-forced `(log-probability, id)` [N, L, 1] each (`_grown`)."""
+        and its slots' best token teacher-forced `(log-probability, id)` [N, L, 1] each (`grow_block_trees`)."""
         n = accepted_lengths(out.labels, out.hits).cpu()
         ok = (valid.bool() & (out.labels[..., 0] != -100)).cpu()
         for r in range(len(n)):
@@ -163,14 +164,14 @@ def _first_reply(anchors, ok, n):
 
 # %% ../nbs/validate.ipynb #423e58fe
 @contextmanager
-def _final_states(drafter):
+def catch_final_states(drafter):
     "Within: the output of the drafter's final `norm` in each forward ([b, A*B, H], every slot of every block), in the list yielded."
     seen = []
     handle = drafter.norm.register_forward_hook(lambda m, i, o: seen.append(o))
     try: yield seen
     finally: handle.remove()
 
-def _labelled_states(drafter, seen, out, valid, input_ids):
+def labelled_states(drafter, seen, out, valid, input_ids):
     """The forward's blocks that have a label, from the final states it left in `seen`: their drafted slots' states [N, L, H] (the last
     `draft_len` of each block), their roots [N] (the token at each anchor, before the first drafted slot) and their labels [N, L]."""
     if len(seen) != 1: raise RuntimeError(f"the drafter's final norm ran {len(seen)} times in one forward: the tree reading takes its one output as the slots' states")
@@ -180,7 +181,7 @@ def _labelled_states(drafter, seen, out, valid, input_ids):
 
 TREE_CHUNK = 64          # blocks whose trees grow side by side: the drafter answers each round for all of them in one call
 
-def _grown(drafter, h, roots, labels, budget, top1=True):
+def grow_block_trees(drafter, h, roots, labels, budget, top1=True):
     """Each block's tree at `budget`, grown by the drafter's own `tree_expander` (as the loop grows it), and with `top1` its slots' best
     token teacher-forced along the reply ([N, L, 1] log-probabilities and ids; -inf and -1 where a slot has no label; else None),
     `TREE_CHUNK` at a time."""
@@ -218,10 +219,10 @@ def heldout_acceptance(drafter, xds, token_budget=8192, anchors=None, max_sample
     forward, each grown as the drafter grows its trees in the loop. Returns `Acceptance.result()`."""
     for b in tree_budgets or (): check_tree_budget(b, 'tree_budgets')
     acc = Acceptance(drafter.draft_len + 1, max_new_tokens, tree_budgets)   # a verify block: the last token and the drafts
-    with (_final_states(drafter) if acc.budgets else nullcontext()) as seen:
+    with (catch_final_states(drafter) if acc.budgets else nullcontext()) as seen:
         for _, out, valid, ids in heldout_forwards(drafter, xds, token_budget, anchors, max_samples, seed, progress=progress):
             t0 = time.perf_counter()
-            trees = _grown(drafter, *_labelled_states(drafter, seen, out, valid, ids), acc.budgets[-1]) if acc.budgets else None
+            trees = grow_block_trees(drafter, *labelled_states(drafter, seen, out, valid, ids), acc.budgets[-1]) if acc.budgets else None
             acc.tree_s += time.perf_counter() - t0
             acc.add(out, valid, every=anchors is None, trees=trees)
     return acc.result()

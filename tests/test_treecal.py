@@ -12,6 +12,7 @@ BIN = Path(sys.executable).parent
     (['--drafter', '{ckpt}', '--extracted', '{tmp}'], 'is not an extraction (no manifest.json)'),
     (['--drafter', '{ckpt}', '--extracted', '{val}', '--budget', '2000'], 'a DDTree budget is a number of nodes in 0..1024'),
     (['--drafter', '{ckpt}', '--extracted', '{val}', '--budgets', '4,x'], "budgets='4,x': tree budgets, comma-separated"),
+    (['--drafter', '{ckpt}', '--extracted', '{val}', '--min-z', '-1'], 'min_z=-1.0: must be >= 0'),
 ])
 def test_treecal_refuses_bad_input(tmp_path, args, why):
     ckpt, val = tmp_path / 'ckpt', tmp_path / 'val'

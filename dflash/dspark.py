@@ -207,7 +207,7 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
     distribution terms, the confidence target); `terms` (None: 0.1 CE + 0.9 L1); `confidence_alpha`: the BCE term's weight; the slots'
     weights: 'decay' (`gamma`, None: `PAPER_GAMMA`) or 'dpace' (`dpace_alpha`); `teacher_transform`: the target's `(mult, cap)` (None: the
     drafter's). `selector_alpha` (DFlash2's) is ignored."""
-    if loss not in ('decay', 'dpace'): raise ValueError(f"loss={loss!r}: a DSpark drafter weighs its slots by 'decay' or 'dpace' (tree@N: DFlash and DFlash2)")
+    if loss not in ('decay', 'dpace'): raise ValueError(f"loss={loss!r}: a DSpark drafter weighs its slots by 'decay' or 'dpace' (tree@N and treegrad@N: DFlash and DFlash2)")
     weights = _terms(terms, final_hidden)
     h, labels, anchors, anchor_valid = _block_states(self, hidden_states, input_ids, loss_mask, anchors, anchor_valid, num_anchors,
                                                     generator, attn_impl, attn_chunk)

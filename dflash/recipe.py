@@ -179,7 +179,7 @@ class TrainConfig(Job):
             if getattr(self, k) is None: self.set(k, v, why)
         check_tree_budget(self.eval_tree_budget, 'eval_tree_budget')
         if tree_loss_budget(self.loss):
-            if self.arch == 'dspark': raise ValueError(f"loss={self.loss}: a DSpark drafter weighs its slots by 'decay' or 'dpace' (tree@N: DFlash and DFlash2)")
+            if self.arch == 'dspark': raise ValueError(f"loss={self.loss}: a DSpark drafter weighs its slots by 'decay' or 'dpace' (tree@N and treegrad@N: DFlash and DFlash2)")
             if self.loss_terms is not None and parse_terms(self.loss_terms) != {'ce': 1.0}:
                 raise ValueError(f"loss={self.loss} weighs the slots from each label's log-probability: with loss_terms ce, not {self.loss_terms}")
         if self.data is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from .core import append_jsonl
 from .taps import target_name, text_config, load_target_config
-from .loss import GAMMA, parse_terms, needs_target
+from .loss import GAMMA, parse_terms, needs_target, tree_loss_budget
 from .dspark import PAPER_CONFIDENCE
 from .designs import drafter_class, design_of
 from .publish import save_drafter, model_card
@@ -96,16 +96,16 @@ def _terms_said(terms):
 
 def _loss_said(cfg, model):
     """The card's sentence on the loss the run trained `model` with: the terms (`cfg.loss_terms`; None: its design's, e.g. DSpark's paper mix),
-    DFlash2's selector cross-entropy, DSpark's confidence BCE (with a confidence head), and the slots' weights (`cfg.loss`: decay or D-PACE)."""
+    DFlash2's selector cross-entropy, DSpark's confidence BCE (with a confidence head), and the slots' weights (`cfg.loss`: decay, D-PACE or a tree's)."""
     design, B = design_of(model.config), model.block_size
     terms = parse_terms(cfg.loss_terms) if cfg.loss_terms else dict(design.default_terms)
     extra = [cfg.arch == 'dflash2' and f"{cfg.selector_alpha:g} x the selector's cross-entropy",
              getattr(model, 'confidence_head', None) is not None and (f"{PAPER_CONFIDENCE:g} x the confidence head's BCE against " +
              ('1 - TV' if needs_target(terms) else "the slot's hit (1 - TV where the target's final states came with the data)"))]
     if cfg.loss == 'dpace': slots = f"D-PACE (alpha {cfg.dpace_alpha}: from the drafter's own confidence)"
-    elif str(cfg.loss).startswith('tree@'): slots = f"its DDTree tree's reach at {cfg.loss[5:]} nodes (alpha {cfg.dpace_alpha}: from the drafter's own probabilities)"
-    elif str(cfg.loss).startswith('treegrad@'):
-        slots = f"the gradient of its DDTree tree's reach at {cfg.loss[9:]} nodes (alpha {cfg.dpace_alpha}: from the drafter's own probabilities)"
+    elif n := tree_loss_budget(cfg.loss):
+        reach = ('the gradient of ' if cfg.loss.startswith('treegrad@') else '') + f"its DDTree tree's reach at {n} nodes"
+        slots = f"{reach} (alpha {cfg.dpace_alpha}: from the drafter's own probabilities)"
     else:
         k0, g = design.first_slot, design.decay_gamma(B) or GAMMA.get(B, 7.0)
         slots = f'the decay exp(-{"k" if k0 == 0 else f"(k-{k0})"}/{g:g}), k = {k0}..{B - 1}'

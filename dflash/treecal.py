@@ -48,6 +48,18 @@ def tree_accepted(drafter, h, roots, labels, budgets):
     trees, _ = grow_block_trees(drafter, h, roots, labels, budgets[-1], top1=False)   # the trees only: the fit grows them many times
     return tree_reading(trees, labels, budgets)[0]
 
+# %% ../nbs/treecal.ipynb #11c9e199
+def _paired(a, b):
+    "Mean of `b` - `a` per column, and its standard error, over the same blocks (rows)."
+    d = np.asarray(b, float) - np.asarray(a, float)
+    return d.mean(0), d.std(0, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else np.zeros(d.shape[1])
+
+def _significant(a, b, min_z):
+    "Whether the blocks' figures `b` beat `a` (the same blocks) by more than `min_z` standard errors of the paired gain (0: by anything)."
+    if len(a) < 2: return False                                      # one block says nothing of the noise
+    gain, se = _paired(np.asarray(a)[:, None], np.asarray(b)[:, None])
+    return bool(gain[0] > 1e-12 and gain[0] > min_z * se[0])
+
 # %% ../nbs/treecal.ipynb #55b2a1a7
 GRID = tuple(float(np.exp(x)) for x in np.linspace(-1, 1, 9))      # e^-1 .. e^1: 0.37 .. 2.72
 
@@ -62,12 +74,6 @@ def _memo_logits(drafter):
     drafter.logits = remembered
     try: yield
     finally: del drafter.logits
-
-def _significant(a, b, min_z):
-    "Whether the blocks' figures `b` beat `a` (the same blocks) by more than `min_z` standard errors of the paired difference (0: by anything)."
-    d = b - a
-    if len(d) < 2 or d.mean() <= 1e-12: return False
-    return bool(d.mean() > min_z * d.std(ddof=1) / math.sqrt(len(d)))
 
 def fit_tree_temperatures(drafter, h, roots, labels, budget=16, grid=GRID, sweeps=2, min_z=2.0, progress=False):
     """Per-slot temperatures maximizing the mean accepted length of the drafter's `budget`-node trees over the blocks given: coordinate
@@ -93,11 +99,6 @@ def fit_tree_temperatures(drafter, h, roots, labels, budget=16, grid=GRID, sweep
     return T, float(start.mean()), float(best.mean())
 
 # %% ../nbs/treecal.ipynb #6237acf0
-def _paired(a, b):
-    "Mean of `b` - `a` per column, and its standard error, over the same blocks (rows)."
-    d = np.asarray(b, float) - np.asarray(a, float)
-    return d.mean(0), d.std(0, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else np.zeros(d.shape[1])
-
 def calibrate_tree(drafter, xds, budget=16, budgets=(4, 16, 64), max_blocks=1024, token_budget=8192, max_samples=None, seed=0, sweeps=2, min_z=2.0,
                    progress=False):
     """Fit `drafter`'s tree temperatures at `budget` nodes on the even rows of `xds` (at most `max_blocks` of their blocks, drawn with

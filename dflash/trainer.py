@@ -61,10 +61,10 @@ class Trainer:
 # %% ../nbs/trainer.ipynb #b7e1a00a
 def _load(self, ck):
     "Restore the drafter, the optimizer, the schedule, the counters and the RNG from checkpoint `ck`."
-    st = torch.load(ck / 'trainer.pt', map_location=self.device, weights_only=False)
+    st = torch.load(ck / 'trainer.pt', map_location='cpu', weights_only=False)   # on the host: see below
     if st['drafters'] != self.cfg.drafters:
         raise ValueError(f'{ck} was written by a run with {st["drafters"]} drafter ranks, this one has {self.cfg.drafters}')
-    try: self.model.load_state_dict(load_file(ck / 'model.safetensors', device=str(self.device)))
+    try: self.model.load_state_dict(load_file(ck / 'model.safetensors'))        # copied onto the drafter's device as it loads
     except RuntimeError as e: raise ValueError(f'{ck}: its drafter does not fit this config: {str(e).splitlines()[0]}') from None
     if 'feature_scale' in st and self.model.feature_scale is not None:   # the file holds fc folded; training goes on unfolded
         self.model.feature_scale.copy_(st['feature_scale']); self.model.fc.weight.data.copy_(st['fc_weight']); self.scaled = True
@@ -74,7 +74,8 @@ def _load(self, ck):
               f"moments start at zero), at step {self.step} of the schedule", flush=True)
     else: self.opt.load_state_dict(st['optimizer']); self.sched.load_state_dict(st['scheduler'])
     self.set_schedule()
-    torch.set_rng_state(st['rng'])
+    torch.set_rng_state(st['rng'])                     # a CPU ByteTensor, whatever the drafter's device
+    if self.device.type == 'cuda' and 'cuda_rng' in st: torch.cuda.set_rng_state(st['cuda_rng'], self.device)
     self.resumed_from = str(ck)
 
 def _set_schedule(self):
@@ -92,6 +93,7 @@ def _state(self):
     fs = self.model.feature_scale if self.scaled else None
     return dict(optimizer=self.opt.state_dict(), scheduler=self.sched.state_dict(), step=self.step, tokens=self.tokens,
                 micro=self.step * self.cfg.grad_accum, stepped=self.stepped, drafters=self.cfg.drafters, rng=torch.get_rng_state(), config=self.cfg.to_dict(),
+                **({'cuda_rng': torch.cuda.get_rng_state(self.device)} if self.device.type == 'cuda' else {}),
                 data_sha256=self.data_sha256, **({} if fs is None else dict(feature_scale=fs, fc_weight=self.model.fc.weight.detach())))
 
 def _save(self):

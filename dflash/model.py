@@ -16,7 +16,7 @@ from transformers import PreTrainedModel, Qwen3Config
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 from .taps import default_layer_ids
-from .blocks import _flex, _has_flex, pad_anchors, sample_anchors, block_mask, anchor_chunks, flex_block_mask
+from .blocks import flex_attend, _has_flex, pad_anchors, sample_anchors, block_mask, anchor_chunks, mask_chunk, MASK_BYTES
 from .draft_cache import DraftCache
 from .loss import _softcap, block_labels, DFlashOutput, _head_ce, _loss_weights, _head_loss, along_blocks, tree_loss_budget
 
@@ -127,7 +127,7 @@ def _rotate(x, cos, sin):
 
 def _attend(q, k, v, mask, scale):
     "Attention of `q` [b, h, Q, d] over `k`, `v` [b, kvh, K, d]; `mask` is a bool [b, Q, K], a flex `BlockMask`, or None."
-    if mask is not None and not torch.is_tensor(mask): return _flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    if mask is not None and not torch.is_tensor(mask): return flex_attend(q, k, v, mask, scale)
     rep = q.shape[1] // k.shape[1]
     if rep > 1: k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None], scale=scale)
@@ -185,6 +185,7 @@ class DFlashDraftModel(PreTrainedModel):
     _no_split_modules = ['DFlashDecoderLayer']
     _supports_sdpa = True
     _architecture, layer_class, _selector_k = 'DFlashDraftModel', DFlashDecoderLayer, 0   # what a subclass changes
+    mask_bytes = MASK_BYTES      # the most one flex mask may take to build (`mask_chunk`); a run sets its `mask_mb`
 
     def __init__(self, config):
         super().__init__(config)
@@ -272,7 +273,8 @@ def _block_states(self, hidden_states, input_ids, loss_mask, anchors=None, ancho
     h = self.embed(self.noise_ids(input_ids.gather(1, anchors)).flatten(1))   # [b, A*B, H]
     pos = (anchors[..., None] + torch.arange(B, device=dev)).flatten(1)
     if attn_impl is None: attn_impl = 'flex' if input_ids.is_cuda and _has_flex() else 'sdpa'
-    make = lambda w, c: flex_block_mask(anchors, S, B, w, c) if attn_impl == 'flex' else anchor_chunks(anchors, S, B, attn_chunk, w, c)
+    flex = attn_impl == 'flex'                                          # flex: pieces within the mask's bytes (`mask_chunk`)
+    make = lambda w, c: anchor_chunks(anchors, S, B, mask_chunk(b, S, B, self.mask_bytes) if flex else attn_chunk, w, c, flex=flex)
     masks = {m: make(*m) for m in set(self.config.layer_masks)}          # one mask per (window, causal) of the layers
     rope, ctx_rope = self.rotary_emb(h, pos), self.rotary_emb(ctx, torch.arange(S, device=dev).expand(b, S))
     for layer, m in zip(self.layers, self.config.layer_masks):

@@ -1,0 +1,79 @@
+"""CUDA's rules, held on a CPU: what a first GPU run would meet, each checked here where no GPU is. Compiled flex attention that
+does not recompile per shape, masks and buffers bounded in bytes, RNG states on the host, NCCL's blocking receives."""
+import itertools, subprocess, sys, textwrap
+import pytest, torch, torch._dynamo
+import dflash.blocks as blocks
+from dflash.model import DFlashDraftModel, drafter_config
+from transformers import Qwen3Config
+
+H, V = 64, 256
+
+
+@pytest.fixture
+def hybrid():
+    "A drafter of a sliding layer and a full one (the two mask kinds of the published layout), frozen: flex has no backward on a CPU."
+    tc = Qwen3Config(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     vocab_size=V)
+    torch.manual_seed(0)
+    d = DFlashDraftModel(drafter_config(tc, 2, 16, 5, [1, 4], layer_types=['sliding_attention', 'full_attention'], sliding_window=32))
+    d.attach_target(embed_tokens=torch.nn.Embedding(V, H).requires_grad_(False), lm_head=torch.nn.Linear(H, V, bias=False).requires_grad_(False))
+    return d.requires_grad_(False).eval()
+
+
+def _batch(b, S, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, S, 2 * H, generator=g), torch.randint(0, V, (b, S), generator=g), torch.ones(b, S, dtype=torch.long)
+
+
+def test_compiled_flex_does_not_recompile_per_shape(hybrid, monkeypatch):
+    """A run calls flex with every batch's shape, both mask kinds, autocast on (training) and off (the held-out reading), gradients on and
+    off. The compiled function (dynamo, 'eager' backend: the same guards as inductor's) reaches a fixed set of graphs, within its limit,
+    and new shapes add none. Before: the mask's length and window were guarded constants, autocast a guard of its own: past the limit (8)
+    flex ran uncompiled."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setattr(blocks, 'FLEX_BACKEND', 'eager')
+    monkeypatch.setattr(torch._dynamo.config, 'fail_on_recompile_limit_hit', True)    # past the limit: an error, not a quiet fall back
+    torch._dynamo.reset()
+
+    def sweep(shapes):
+        for b, S, A in shapes:
+            hs, ids, lm = _batch(b, S, seed=S)
+            for grad, amp in itertools.product((True, False), (True, False)):
+                with torch.set_grad_enabled(grad), torch.autocast('cpu', dtype=torch.bfloat16, enabled=amp):
+                    hybrid(hs, ids, lm, num_anchors=A, attn_impl='flex')
+        return counters['stats']['unique_graphs']
+    n0 = counters['stats']['unique_graphs']
+    n1 = sweep([(b, S, A) for b, (S, A) in itertools.product((1, 2, 3), ((40, 1), (64, 2), (96, 3), (130, 9), (200, 12)))])
+    n2 = sweep([(4, 150, 5), (5, 260, 17), (1, 77, 4), (2, 333, 30), (3, 50, 2)])
+    assert 0 < n1 - n0 <= blocks.FLEX_RECOMPILE_LIMIT and n2 == n1, (n1 - n0, n2 - n1)
+    torch._dynamo.reset()
+
+
+def test_flex_masks_are_built_within_their_bytes(hybrid):
+    """The held-out reading's anchors (one at every position) through flex: the masks are built in pieces, none over the drafter's
+    `mask_bytes`, and the result is the dense path's. Before: one mask of b x A*B x (S + A*B) elements, 3.4 billion at 5 x 3072 tokens."""
+    hs, ids, lm = _batch(3, 96)
+    with torch.no_grad():
+        dense = hybrid(hs, ids, lm, num_anchors=96, attn_impl='sdpa', return_logits=True)
+        hybrid.mask_bytes = 3 * 16 * 8 * (96 + 16 * 8) * blocks.MASK_BYTES_PER_ELEMENT      # 8 anchors a piece
+        blocks.MASK_LEDGER.update(built=0, peak_elements=0)
+        flex = hybrid(hs, ids, lm, num_anchors=96, attn_impl='flex', return_logits=True)
+    assert blocks.MASK_LEDGER['peak_elements'] * blocks.MASK_BYTES_PER_ELEMENT <= hybrid.mask_bytes
+    assert blocks.MASK_LEDGER['built'] == 2 * 12                      # two mask kinds, 95 anchors in 12 pieces
+    assert torch.allclose(flex.logits, dense.logits, atol=1e-4) and torch.equal(flex.labels, dense.labels)
+
+
+def test_mask_bytes_per_element_is_measured():
+    "`MASK_BYTES_PER_ELEMENT` holds: the peak resident growth of building one flex mask, in a fresh process, per element."
+    code = textwrap.dedent('''
+        import os, resource, torch
+        from dflash.blocks import flex_block_mask
+        torch.set_num_threads(1)
+        b, S, A, B = 2, 2048, 384, 16                                      # 1.2 GB at 10 bytes an element: well above import's peaks
+        anchors = torch.sort(torch.randint(0, S - 2, (b, A), generator=torch.Generator().manual_seed(0)), 1).values
+        flex_block_mask(anchors[:, :2], S, B, 32, True)                    # warm: the allocator and the code paths
+        now = int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')    # resident now (the peak so far may be higher)
+        flex_block_mask(anchors, S, B, 32, True)
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - now) / (b * A * B * (S + A * B)))''')
+    per = float(subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout)
+    assert 4 < per <= blocks.MASK_BYTES_PER_ELEMENT, per

@@ -68,9 +68,11 @@ def file_sha256(path, chunk=1 << 23):
 
 # %% ../nbs/core.ipynb #5a5daa3c
 class Feeder:
-    "A daemon thread running `self.fill()`, which `put`s items into a queue of at most `maxsize`; `get()` takes them."
-    def __init__(self, maxsize=0, name='dflash-feeder'):
+    """A daemon thread running `self.fill()`, which `put`s items into a queue of at most `maxsize`; `get()` takes them. `max_bytes`: the
+    items' bytes held at most, reserved by `fill` before it allocates an item (`reserve`) and released when the consumer is done with it."""
+    def __init__(self, maxsize=0, name='dflash-feeder', max_bytes=None):
         self.q, self.error, self.wait_s, self.done, self.ended = queue.Queue(maxsize), None, 0.0, False, False
+        self.max_bytes, self.held, self.peak, self._room = max_bytes, 0, 0, threading.Condition()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True); self.thread.start()
 
     def fill(self): raise NotImplementedError
@@ -78,6 +80,22 @@ class Feeder:
     def qsize(self):
         "Items waiting, the end-of-stream marker not counted."
         return max(0, self.q.qsize() - (self.ended and not self.done))
+
+    def reserve(self, n, what='an item', stop=lambda: False):
+        """Wait until `n` more bytes fit under `max_bytes`, then count them held: True, or False if `stop()` came true first. An item over
+        the whole bound is an error: no wait would make room for it."""
+        if self.max_bytes is not None and n > self.max_bytes:
+            raise MemoryError(f'{what} takes {n / 2**20:,.1f} MiB, more than the {self.max_bytes / 2**20:,.1f} MiB this queue may hold')
+        with self._room:
+            while self.max_bytes is not None and self.held + n > self.max_bytes:
+                if stop(): return False
+                self._room.wait(0.05)
+            self.held += n; self.peak = max(self.peak, self.held)
+        return True
+
+    def release(self, n):
+        "The consumer is done with an item of `n` reserved bytes."
+        with self._room: self.held -= n; self._room.notify_all()
 
     def _run(self):
         try: self.fill()

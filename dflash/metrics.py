@@ -125,7 +125,8 @@ def progress_line(m, total_steps=None):
     tau = f" | tau {m['tau']:.2f}" if m.get('tau') is not None else ''
     tgt = f"tgt {m['target_batches_per_s']:.1f} b/s " if m.get('target_batches_per_s') is not None else ''
     return (f"step {m['step']}" + (f"/{total_steps}" if total_steps else '') + f" | {m['tokens_per_s'] / 1e3:.1f} Ktok/s"
-            f" | q_hs {m['q_hs']:.1f} | {tgt}drf {m['drafter_batches_per_s']:.1f} b/s"
+            f" | q_hs {m['q_hs']:.1f}" + (f" ({fmt_bytes(m['q_peak_bytes'])}/{fmt_bytes(m['q_bytes_capacity'])})" if m.get('q_bytes_capacity') else '')
+            + f" | {tgt}drf {m['drafter_batches_per_s']:.1f} b/s"
             f" | loss {m['loss']:.3f} | acc% {acc} | lr {m['lr']:.1e} | ETA {fmt_time(m['eta_s'])}{tau} | mem {mem}")
 
 # %% ../nbs/metrics.ipynb #7944a94d

@@ -105,6 +105,9 @@ class TrainConfig(Job):
     precondition: bool = param(False, "read the taps with a fixed scale per feature (1 / its RMS on the first batch), folded into fc's weights when saved")
     clip: float = param(1.0, 'gradient norm clip (0: off)', min=0)
     q_depth: int = param(20, 'HS queue: unconsumed batches per target rank at most (offline: prefetch depth)', min=1)
+    q_gb: float = param(8.0, 'HS queue: GiB of hidden states a drafter rank holds at most on its device, received (online) or prefetched '
+                        '(offline) and not yet trained on; while it is full the targets wait', gt=0)
+    mask_mb: float = param(1024.0, 'MiB one flex attention mask may take while it is built (GPU); the masks are built in pieces of anchors within it', gt=0)
     seed: int = param(0, 'seed of the data order, the anchors and the initialization')
     log_every: int = param(10, 'optimizer steps between metrics.jsonl lines', min=1)
     val_data: str | None = param(None, "the target's own replies to held-out prompts (any file prepare reads): held-out acceptance every "

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from .core import Job, claim_out, set_aside, write_json_atomic
 from .taps import (text_config, load_target_config, target_name, target_revision, config_sha256, default_layer_ids, check_layer_ids,
-                         load_tokenizer, logit_transform)
+                         load_tokenizer, logit_transform, parse_dtype, dtype_name)
 from .data import TokenizedDataset, prepared
 from .batching import Plan
 from .shards import ExtractedDataset, check_extraction
@@ -28,7 +28,8 @@ from .evaluate import load_prompts
 from .engine import serving_problems
 from .validate import check_best, check_best_by
 from .speedup import read_profile
-from .recipe import TrainConfig, SLIDING, FULL, layer_type_list
+from .recipe import TrainConfig, SLIDING, FULL, layer_type_list, rank_device
+from .dist import batch_bytes
 from .balance import auto_split
 from .checkpoint import latest_checkpoint, adopt_checkpoint, _resume_changes
 from .release import engine_runs
@@ -180,6 +181,18 @@ def _target_distribution(cfg, ds):
         raise ValueError(f"loss_terms={cfg.loss_terms}: a term against the target's distribution needs its final hidden states, and extracted: "
                          f"{cfg.extracted} has none: extract again with final_hidden=True (dflash_extract --final-hidden), train online, "
                          "or train with loss_terms=ce")
+
+def _check_queue(cfg, tcfg, ds):
+    """Refuse a token budget whose batch is more than the HS queue may hold on a drafter rank (`q_gb`): no batch of it could be taken. Its
+    bytes: the taps (and the target's final states, when the loss reads them) at the dtype they arrive in, ids and masks."""
+    H = text_config(tcfg).hidden_size
+    if cfg.online: final, dt = needs_target(cfg.loss_terms or dict(DESIGNS[cfg.arch].default_terms)), parse_dtype(cfg.dtype, rank_device(cfg, 0).type == 'cuda')
+    else: final, dt = bool(ds.manifest.get('final_hidden')), torch.float32 if 'float8' in ds.manifest['dtype'] else getattr(torch, ds.manifest['dtype'])
+    n = batch_bytes(1, cfg.token_budget, len(cfg.layer_ids) * H, dt, H if final else 0)
+    if n > cfg.q_gb * 2**30:
+        raise ValueError(f"q_gb={cfg.q_gb}: a batch of token_budget={cfg.token_budget} tokens holds {n / 2**20:,.1f} MiB on a drafter rank ({len(cfg.layer_ids)} "
+                         f"taps of {H}{' and the final states' if final else ''} in {dtype_name(dt)}), more than the queue's {cfg.q_gb * 1024:,.1f} MiB: "
+                         'raise q_gb, or lower token_budget')
 
 def _resumed(cfg, out):
     "`(checkpoint, its COMPLETE record)` a resume continues from, after checking there is a run to resume; `(None, None)` otherwise."
@@ -341,7 +354,7 @@ def resolve(cfg):
     if cfg.online: cfg.data = str(Path(prepared(cfg.data, cfg.target, out, cfg.max_length)).resolve())
     else: cfg.extracted = str(Path(cfg.extracted).resolve())
     ds = TokenizedDataset.load(cfg.data) if cfg.online else check_extraction(ExtractedDataset(cfg.extracted), cfg.target, cfg.layer_ids)
-    _check_data(cfg, ds); _target_distribution(cfg, ds)
+    _check_data(cfg, ds); _target_distribution(cfg, ds); _check_queue(cfg, tcfg, ds)
     if earlier and not cfg.resume: print(f'the earlier run in {out} is now in {set_aside(out, RUN_FILES)}')
     if 'val_data' in changed and (out / 'val').exists(): print(f'resume: val_data changed; the extraction of the old one is now in {set_aside(out, ["val"])}')
     _validation(cfg, out, ds)

@@ -385,10 +385,11 @@ def collate(hs_rows, input_ids, loss_mask, lengths):
     return hs, ids, lm
 
 class OfflineSource(Feeder):
-    "Micro-batches `start..end-1` of drafter `d` of `plan`, read from an `ExtractedDataset` by a prefetcher thread (with `final_hidden` if it has them)."
-    def __init__(self, xds, plan, d, start, end, device, depth=4):
+    """Micro-batches `start..end-1` of drafter `d` of `plan`, read from an `ExtractedDataset` by a prefetcher thread (with `final_hidden` if it
+    has them): at most `depth` batches, and `max_bytes` of them, on `device` ahead of the trainer."""
+    def __init__(self, xds, plan, d, start, end, device, depth=4, max_bytes=None):
         self.xds, self.plan, self.d, self.start, self.end, self.device = xds, plan, d, start, end, torch.device(device)
-        super().__init__(depth, name=f'dflash-prefetch-d{d}')
+        super().__init__(depth, name=f'dflash-prefetch-d{d}', max_bytes=max_bytes)
 
     def fill(self):
         for p in range(self.start, self.end):
@@ -398,10 +399,11 @@ class OfflineSource(Feeder):
             hs, ids, lm = collate(torch.cat([r['hidden_states'] for r in rows]), torch.cat([r['input_ids'] for r in rows]),
                                   torch.cat([r['loss_mask'] for r in rows]), lengths)
             fin = pad_rows(torch.cat([r['final_hidden'] for r in rows]), lengths) if 'final_hidden' in rows[0] else None
-            if self.device.type == 'cuda':
-                hs, ids, lm = (x.pin_memory().to(self.device, non_blocking=True) for x in (hs, ids, lm))
-                if fin is not None: fin = fin.pin_memory().to(self.device, non_blocking=True)
-            self.put(dict(p=p, hidden_states=hs, input_ids=ids, loss_mask=lm, tokens=sum(lengths), src=None,
+            n = sum(x.numel() * x.element_size() for x in (hs, ids, lm, fin) if x is not None)
+            self.reserve(n, f'micro-batch {p} ({len(rows)} x {max(lengths)} tokens)')
+            if self.device.type == 'cuda':               # from pageable memory, on this thread: no pinned block per batch size kept by torch
+                hs, ids, lm, fin = (None if x is None else x.to(self.device) for x in (hs, ids, lm, fin))
+            self.put(dict(p=p, hidden_states=hs, input_ids=ids, loss_mask=lm, tokens=sum(lengths), src=None, nbytes=n,
                           sample_ids=[int(self.xds.sample_ids[j]) for j in batch], **({} if fin is None else dict(final_hidden=fin))))
 
-    def consumed(self, item): pass
+    def consumed(self, item): self.release(item['nbytes'])

@@ -144,12 +144,14 @@ def run_drafter(run, coord, d, plan, ds, device, group, pg, stop):
         coord.set('start_micro', start)
         write_json_atomic(Path(cfg.out) / 'run.json', {**run.to_dict(), 'start_step': trainer.step, 'time': time.time()})   # when training started
     if cfg.online: coord.barrier('start', range(cfg.world))   # targets read start_micro after this
-    src = (OnlineSource(coord, pg, d, cfg.targets, cfg.drafters, start, plan.total_micro, device) if cfg.online
-           else OfflineSource(ds, plan, d, start, plan.total_micro, device, depth=cfg.q_depth))
+    q_bytes = int(cfg.q_gb * 2**30)
+    src = (OnlineSource(coord, pg, d, cfg.targets, cfg.drafters, start, plan.total_micro, device, max_bytes=q_bytes) if cfg.online
+           else OfflineSource(ds, plan, d, start, plan.total_micro, device, depth=cfg.q_depth, max_bytes=q_bytes))
     with trainer.trackers:
         stopped = trainer.run(src, stop.is_set, tau if probe else None, validate if validator else None)
         res = dict(step=trainer.step, total_steps=plan.total_steps, stopped=stopped, out=cfg.out)
         if stopped: coord.request_stop(stopped)
+        if cfg.online: src.close()                              # a stop drains what the targets sent: nothing is in flight when ranks leave
         if d == 0 and not stopped:
             if not trainer.stepped: raise FloatingPointError(
                 f'drafter 0: the loss or the gradient was not finite at any of the run\'s {trainer.step} optimizer steps (each was skipped: the '

@@ -37,6 +37,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         cls = drafter_class(run.drafter)
         self.model = cls(cls.config_class.from_dict(dict(run.drafter))).to(device)
+        self.model.mask_bytes = int(cfg.mask_mb * 2**20)   # flex masks are built within it
         emb, head = io or load_target_io(cfg.target, torch.bfloat16 if device.type == 'cuda' else torch.float32, device)
         self.model.attach_target(embed_tokens=emb, lm_head=head)
         self.teacher_transform = tuple(run.target['logit_transform'])             # the target's own logits, for a distribution term
@@ -158,7 +159,7 @@ Trainer._precondition, Trainer.micro_step, Trainer.optimizer_step = _preconditio
 def _log(self, meter, source, tstat_last):
     "Write one metrics line (drafter 0) from the interval's sums over all drafter ranks."
     cfg, D = self.cfg, self.cfg.drafters
-    t = meter.totals(self.all_sum, wait_s=source.wait_s - meter.wait0, q=source.qsize())
+    t = meter.totals(self.all_sum, wait_s=source.wait_s - meter.wait0, q=source.qsize(), q_peak=source.peak)
     self.tokens += int(t['tokens'])
     if self.main:
         ts = {r: s for r in range(cfg.targets if cfg.online else 0) if (s := self.coord.get(f'tstat/{r}'))}
@@ -174,7 +175,8 @@ def _log(self, meter, source, tstat_last):
                  drafter_batches_per_s=t['micro'] / dt, eta_s=(self.plan.total_steps - self.step) * dt / max(meter.steps, 1),
                  peak_mem_bytes=max(mem.values()), mem=mem, drafter_idle=t['wait_s'] / D / dt,
                  target_idle=float(np.mean(tidle)) if tidle else None,
-                 q_capacity=cfg.q_depth * math.ceil(cfg.targets / D) if cfg.online else cfg.q_depth, time=time.time())
+                 q_capacity=cfg.q_depth * math.ceil(cfg.targets / D) if cfg.online else cfg.q_depth,
+                 q_peak_bytes=t['q_peak'] / D, q_bytes_capacity=int(cfg.q_gb * 2**30), time=time.time())
         append_jsonl(self.out / 'metrics.jsonl', m); self.trackers.log(m, self.step)
         print(progress_line(m, self.plan.total_steps), flush=True)
     meter.reset(source.wait_s)

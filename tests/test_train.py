@@ -46,7 +46,7 @@ def test_online_2x1_learns(work, tmp_path):
     "2 target ranks + 1 drafter rank on gloo (the embedded trained target): the loss falls; metrics, checkpoints and the final drafter are written."
     out = tmp_path / 'run'
     r = train(**kw(work, out=str(out), target=str(TINY_TARGET), targets=2, drafters=1, max_steps=16, ckpt_every=5, keep=2,
-                   q_depth=3, lr=3e-3))
+                   q_depth=3, q_gb=0.0015, lr=3e-3))          # 1.5 MiB: three of its largest batches (512 tokens of one 256-wide tap, fp32)
     ls = losses(out)
     assert sorted(ls) == list(range(1, 17)) and r['step'] == 16
     first, last = sum(ls[k] for k in (1, 2, 3)) / 3, sum(ls[k] for k in (14, 15, 16)) / 3
@@ -55,6 +55,7 @@ def test_online_2x1_learns(work, tmp_path):
     for k in ('step', 'loss', 'acc', 'lr', 'tokens_per_s', 'q_hs', 'target_batches_per_s', 'drafter_batches_per_s', 'eta_s', 'peak_mem_bytes'):
         assert k in m, k
     assert len(m['acc']) == 15 and max(x['q_hs'] for x in read_metrics(out) if 'q_hs' in x) <= 2 * 3   # 2 targets x q_depth 3
+    assert 0 < max(x['q_peak_bytes'] for x in read_metrics(out) if 'q_hs' in x) <= m['q_bytes_capacity'] == int(0.0015 * 2**30)
     ck = sorted(p.name for p in (out / 'checkpoints').iterdir())
     assert ck == ['best', 'step-15', 'step-16'] and latest_checkpoint(out).name == 'step-16'   # every 5 and at the end; keep=2; the best by held-out acceptance
     cfg = json.loads((out / 'drafter/config.json').read_text())

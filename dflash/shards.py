@@ -74,9 +74,9 @@ class ShardFile:
         if (fh is None) != (not self.final) or fh is not None and (fh.dtype != self.dtype or fh.shape != (len(hs), self.final)):
             raise ValueError(f'{self.path.name}: final states {None if fh is None else (fh.dtype, tuple(fh.shape))}, shard {self.dtype} x {self.final} a row')
         self.f.write(_bytes(hs)); self.rows += len(hs); self.nbytes += hs.nbytes
-        if fh is not None: self.finals.append(fh); self.nbytes += fh.nbytes
+        if fh is not None: self.finals.append(fh.clone()); self.nbytes += fh.nbytes    # copies: the batch's host memory is reused
         for k in self.small:
-            if item.get(k) is not None: self.small[k].append(np.asarray(item[k]))
+            if item.get(k) is not None: self.small[k].append(np.array(item[k]))
 
     def close(self):
         "Write the small tensors and the header, fsync, rename; returns the manifest entry {file, num_samples, num_tokens, sha256, bytes}."
@@ -178,12 +178,14 @@ class ShardWriter:
         try:
             while (item := self.q.get()) is not None:
                 if item.get('event') is not None: item.pop('event').synchronize()
+                release = item.pop('release', None)       # the host memory the rows are in (the extractor's ring): given back once added
                 if shard is None:
                     hs = item['hidden_states']
                     fh = item.get('final_hidden')
                     shard = ShardFile(self.out / f'shard-w{self.rank}-{self.k:05d}.safetensors', hs.shape[1], hs.dtype,
                                       item.get('hidden_scale') is not None, self.metadata, None if fh is None else fh.shape[1])
                 shard.add(item); item = None
+                if release is not None: release()
                 if shard.nbytes >= self.shard_bytes: self._finish(shard); shard = None
             if shard is not None: self._finish(shard); shard = None
         except BaseException as e:

@@ -77,3 +77,31 @@ def test_mask_bytes_per_element_is_measured():
         print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - now) / (b * A * B * (S + A * B)))''')
     per = float(subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout)
     assert 4 < per <= blocks.MASK_BYTES_PER_ELEMENT, per
+
+
+def test_extraction_copies_to_the_host_through_a_ring_of_fixed_bytes(tmp_path, make_target):
+    """Every device-to-host copy of an extraction goes through one `HostRing` (pinned on a GPU): its bytes are never exceeded, every span
+    comes back, and the shards hold what a run without it holds. Before: a pinned block per batch, kept by torch's cache for every size."""
+    import numpy as np
+    from dflash.data import TokenizedDataset
+    from dflash.batching import token_budget_batches
+    from dflash.extract import Extractor, HostRing
+    from dflash.shards import ShardWriter, ExtractedDataset, open_out
+    model, g = make_target('qwen3_5'), np.random.default_rng(0)
+    ds = TokenizedDataset.from_samples([dict(id=f's{i}', input_ids=g.integers(10, 2000, n).astype(np.int32), loss_mask=np.ones(n, np.uint8))
+                                        for i, n in enumerate(g.integers(20, 200, 40))])
+    batches = token_budget_batches(ds.lengths, 512)
+
+    def run(out, ring):
+        open_out(out, dict(target='t', layer_ids=[1, 3], hidden_size=64, dtype='float32', final_hidden=True))
+        with ShardWriter(out, 0, shard_bytes=50_000, depth=1) as w:
+            ex = Extractor(model, ds, [1, 3], w, 512, final=True, ring=ring)
+            ex.run(batches)
+        return ExtractedDataset(out), ex
+    plain, _ = run(tmp_path / 'plain', None)
+    ring = HostRing(5 * 512 * 3 * 64 * 4 // 2)                        # two and a half of the largest batch (512 rows of 3 x 64 fp32)
+    ringed, ex = run(tmp_path / 'ring', ring)
+    assert ex.row_bytes() == 3 * 64 * 4 and 0 < ring.peak <= ring.capacity and ring.held == 0 and not ring.spans
+    for sid in range(len(ds)):
+        a, b = plain.get(sid), ringed.get(sid)
+        assert torch.equal(a['hidden_states'], b['hidden_states']) and torch.equal(a['final_hidden'], b['final_hidden'])

@@ -105,3 +105,25 @@ def test_extraction_copies_to_the_host_through_a_ring_of_fixed_bytes(tmp_path, m
     for sid in range(len(ds)):
         a, b = plain.get(sid), ringed.get(sid)
         assert torch.equal(a['hidden_states'], b['hidden_states']) and torch.equal(a['final_hidden'], b['final_hidden'])
+
+
+def test_the_lossless_loop_in_bf16_allows_near_ties_only(tok):
+    """The embedded target in bf16 (on a GPU, its dtype): a verify forward and one-token decoding round differently, and on these three
+    prompts the speculative output parts from the target's greedy output at a near-tie (a margin of at most one bf16 step). That is
+    lossless (`identical` False); a reference from another target is still caught. Before: 'NOT lossless', and `make demo`'s assert."""
+    import warnings
+    from transformers import AutoModelForCausalLM
+    from dflash.core import TINY_TARGET
+    from dflash.evaluate import evaluate, load_prompts, greedy_decode
+    target = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.bfloat16).eval()
+    torch.manual_seed(0)
+    d = DFlashDraftModel(drafter_config(target.config, 1, 16, tok.mask_token_id, [1, 2])).to(torch.bfloat16).attach_target(target).eval()
+    ps = [load_prompts(tok, n=16)[i] for i in (5, 6, 9)]
+    r = evaluate(target, d, ps, 40, strict=True, warmup=False)
+    assert r['lossless'] and not all(p['identical'] for p in r['per_prompt'])
+    other = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.bfloat16).eval()
+    with torch.no_grad(): other.lm_head.weight.mul_(-1)                   # its greedy choices are the target's worst
+    bad = dict(outputs=[greedy_decode(other, p, 40) for p in ps], time_s=[1.0] * 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        assert not evaluate(target, d, ps, 40, reference=bad, warmup=False)['lossless']

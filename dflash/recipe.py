@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import torch
 from .core import TINY_TARGET, TRAIN_DATA, REGEN_DATA, HELDOUT_DATA, HELDOUT_REGEN, RUNS, Job, param, target_param, data_param, out_param, file_sha256
+from .taps import auto_device, gpu_count
 from .loss import parse_terms, tree_loss_budget
 from .track import check_trackers, report_to_param
 from .validate import tree_budgets, check_best_by
@@ -175,7 +176,7 @@ class TrainConfig(Job):
     def check(self):
         if self.loss_terms is not None: parse_terms(self.loss_terms)
         if isinstance(self.targets, str) and self.targets != 'auto': raise ValueError(f"targets={self.targets!r}: must be a number of ranks or 'auto'")
-        if self.targets == 'auto' and self.ranks is None: self.set('ranks', torch.cuda.device_count() or 3, 'the GPUs, or 3 on a CPU')
+        if self.targets == 'auto' and self.ranks is None: self.set('ranks', gpu_count() or 3, 'the GPUs, or 3 on a CPU')
         if self.target is None: self.set('target', str(TINY_TARGET), 'the embedded target')
         recipe, why = (DEMO, 'demo: the embedded target') if self.demo else (RECIPE, 'recipe: SpecForge train_dflash.py / configs')
         for k, v in recipe.items():
@@ -232,9 +233,12 @@ class TrainConfig(Job):
 
 # %% ../nbs/recipe.ipynb #ca6e7ee8
 def rank_device(cfg, local_rank):
-    "This rank's device: `cfg.device`, or the GPU `local_rank` (round-robin when there are more ranks than GPUs), or the CPU."
-    if cfg.device != 'auto': return torch.device(cfg.device)
-    return torch.device(f'cuda:{local_rank % torch.cuda.device_count()}') if torch.cuda.is_available() else torch.device('cpu')
+    """This rank's device: `cfg.device`, or `auto_device`: the GPU `local_rank` (round-robin when there are more ranks than GPUs), or the CPU
+    of a machine without GPUs (one whose GPUs torch cannot use is refused). A GPU asked for and not usable is refused too."""
+    if cfg.device == 'auto': return auto_device(local_rank)
+    d = torch.device(cfg.device)
+    if d.type == 'cuda' and not torch.cuda.is_available(): raise RuntimeError(f'device={cfg.device!r}, but torch {torch.__version__} cannot use a GPU here')
+    return d
 
 # %% ../nbs/recipe.ipynb #a7e6646a
 def layer_type_list(s):

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from .core import Job, claim_out, set_aside, write_json_atomic
 from .taps import (text_config, load_target_config, target_name, target_revision, config_sha256, default_layer_ids, check_layer_ids,
-                         load_tokenizer, logit_transform, parse_dtype, dtype_name)
+                         load_tokenizer, logit_transform, parse_dtype, dtype_name, gpu_count)
 from .data import TokenizedDataset, prepared
 from .batching import Plan
 from .shards import ExtractedDataset, check_extraction
@@ -155,7 +155,7 @@ def _validation(cfg, out, ds):
     if cfg.val_extracted is None and cfg.validates:
         print(f'held-out acceptance: extracting the validation split {cfg.val_data} into {out / "val"}', flush=True)
         extract(target=cfg.target, data=cfg.val_data, out=str(out / 'val'), layer_ids=cfg.layer_ids, max_samples=cfg.val_samples,
-                max_length=cfg.max_length, dtype=cfg.dtype, gpus=torch.cuda.device_count(), progress=cfg.progress)
+                max_length=cfg.max_length, dtype=cfg.dtype, gpus=gpu_count(), progress=cfg.progress)
         cfg.set('val_extracted', str(out / 'val'), f'val_data, extracted into {out / "val"}')
         _not_training_data(cfg, ds)
     if cfg.val_extracted is not None:

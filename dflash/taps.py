@@ -5,12 +5,12 @@
 # %% auto #0
 __all__ = ['LAYER_PATHS', 'DTYPES', 'default_layer_ids', 'check_layer_ids', 'text_config', 'decoder_layers', 'StopForward',
            'tap_layers', 'tapped', 'capture', 'pad_batch', 'NonFiniteStates', 'check_finite', 'final_norm',
-           'logit_transform', 'target_logits', 'parse_dtype', 'dtype_name', 'peak_mem_bytes', 'resolve_target',
-           'target_name', 'target_revision', 'load_tokenizer', 'load_target', 'load_target_config', 'load_target_io',
-           'tokenizer_sha256', 'config_sha256']
+           'logit_transform', 'target_logits', 'parse_dtype', 'dtype_name', 'peak_mem_bytes', 'gpus_present',
+           'auto_device', 'gpu_count', 'torch_floor', 'environment', 'resolve_target', 'target_name', 'target_revision',
+           'load_tokenizer', 'load_target', 'load_target_config', 'load_target_io', 'tokenizer_sha256', 'config_sha256']
 
 # %% ../nbs/taps.ipynb #05c80b55
-import hashlib, importlib.util, json, os, resource
+import functools, hashlib, importlib.util, json, os, resource, subprocess
 from contextlib import contextmanager
 from pathlib import Path
 import numpy as np
@@ -211,6 +211,46 @@ def peak_mem_bytes(device):
     if device.type == 'cuda': return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
+# %% ../nbs/taps.ipynb #fccde686
+@functools.cache
+def gpus_present():
+    "The GPUs this machine shows outside torch, as `nvidia-smi -L` lists them ([] where there is none, or no driver to ask)."
+    try: out = subprocess.run(['nvidia-smi', '-L'], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError): return []
+    return [l.strip() for l in out.splitlines() if l.startswith('GPU ')]
+
+def auto_device(index=0):
+    """The device of a job that names none: `DFLASH_DEVICE` if set, GPU `index` (round-robin) where torch can use one, else the CPU, unless
+    the machine has GPUs torch cannot use: an error, not a quiet run on the CPU."""
+    if env := os.environ.get('DFLASH_DEVICE'): return torch.device(env)
+    if torch.cuda.is_available(): return torch.device(f'cuda:{index % torch.cuda.device_count()}')
+    if gpus := gpus_present():
+        why = (f'torch {torch.__version__} is a CPU build: install a CUDA build of it' if torch.version.cuda is None else
+               f'torch {torch.__version__} is built for CUDA {torch.version.cuda} and cannot reach these GPUs (a driver older than that CUDA, or '
+               f'CUDA_VISIBLE_DEVICES={os.environ.get("CUDA_VISIBLE_DEVICES")!r} hiding them)')
+        raise RuntimeError(f'this machine has {len(gpus)} GPU{"s" * (len(gpus) > 1)} ({gpus[0]}) but {why}; DFLASH_DEVICE=cpu runs on the CPU on purpose')
+    return torch.device('cpu')
+
+def gpu_count():
+    "GPUs a job uses when it names none: torch's count, or 0 where `auto_device` is the CPU."
+    return torch.cuda.device_count() if auto_device().type == 'cuda' else 0
+
+def torch_floor():
+    "The lowest torch this package declares (its `torch>=` requirement), as `(major, minor)`."
+    from importlib.metadata import requires
+    req = next(r for r in requires('dflash') if r.replace(' ', '').startswith('torch>='))
+    return tuple(int(x) for x in req.replace(' ', '').removeprefix('torch>=').split(',')[0].split('.')[:2])
+
+def environment():
+    "What jobs run with here, in one line (set-up prints it): torch's version and build, and the devices. A torch below the floor is refused."
+    v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2])
+    if v < torch_floor(): raise RuntimeError(f'torch {torch.__version__} is older than {".".join(map(str, torch_floor()))}, the lowest this package runs and is tested with')
+    dev = auto_device()
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if dev.type == 'cuda' else []
+    build = f'CUDA {torch.version.cuda}' if torch.version.cuda else 'CPU build'
+    return f'torch {torch.__version__} ({build}); jobs run on ' + (f'{len(gpus)} GPU{"s" * (len(gpus) > 1)}: {", ".join(gpus)}' if gpus else
+                                                                   'the CPU' + (' (DFLASH_DEVICE)' if os.environ.get('DFLASH_DEVICE') else ''))
+
 # %% ../nbs/taps.ipynb #4025a49e
 def _offline():
     "Is the hub off limits? (`HF_HUB_OFFLINE=1` when Python started, or now)"
@@ -252,9 +292,9 @@ def load_tokenizer(target):
     return AutoTokenizer.from_pretrained(resolve_target(target))
 
 def load_target(target, dtype=None, device=None):
-    "The target causal LM (a directory or hub id), frozen and in eval mode, in `dtype` on `device` (default: CUDA if any)."
+    "The target causal LM (a directory or hub id), frozen and in eval mode, in `dtype` on `device` (default: `auto_device`)."
     from transformers import AutoModelForCausalLM
-    device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+    device = torch.device(device or auto_device())
     kw = dict(dtype=parse_dtype(dtype, device.type == 'cuda'))
     if importlib.util.find_spec('accelerate') is not None: kw['device_map'] = {'': str(device)}
     model = AutoModelForCausalLM.from_pretrained(resolve_target(target), **kw)

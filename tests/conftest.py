@@ -1,5 +1,6 @@
 "Fixtures every test file shares: the embedded tokenizer, random-weight targets of real architectures, saved target directories."
 import os, shutil
+os.environ.setdefault('DFLASH_DEVICE', 'cpu')      # the CPU's arithmetic, also on a GPU box: the tests hold CPU tolerances (`make gpu-check` is the GPU's)
 import pytest, torch
 import transformers as T
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -127,3 +127,34 @@ def test_the_lossless_loop_in_bf16_allows_near_ties_only(tok):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         assert not evaluate(target, d, ps, 40, reference=bad, warmup=False)['lossless']
+
+
+def _fake_gpu(tmp_path):
+    "A stand-in `nvidia-smi` that lists one GPU: a machine with a GPU that this CPU build of torch cannot use."
+    d = tmp_path / 'bin'; d.mkdir()
+    (d / 'nvidia-smi').write_text('#!/bin/sh\necho "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n'); (d / 'nvidia-smi').chmod(0o755)
+    env = {k: v for k, v in __import__('os').environ.items() if k != 'DFLASH_DEVICE'}
+    return dict(env, PATH=f"{d}:{env['PATH']}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='torch can use a GPU here')
+def test_a_job_on_a_machine_whose_gpus_torch_cannot_use_is_refused(tmp_path):
+    """dflash_train on a machine with a GPU and a torch that cannot use it stops at start-up, saying so; with DFLASH_DEVICE=cpu it runs on the
+    CPU on purpose. Before: every rank ran on the CPU without a word."""
+    env = _fake_gpu(tmp_path)
+    cmd = [sys.executable, '-c', 'from dflash.train import train_cli; train_cli()', '--out', str(tmp_path / 'run'), '--max-steps', '1',
+           '--targets', '1', '--no-final-eval', '--val-data', 'none', '--no-progress']
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1 and 'this machine has 1 GPU (GPU 0: NVIDIA H100 80GB HBM3' in r.stderr and 'DFLASH_DEVICE=cpu' in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / 'run' / 'checkpoints').exists()
+    from dflash.recipe import TrainConfig, rank_device
+    with pytest.raises(RuntimeError, match="device='cuda:0', but torch"): rank_device(TrainConfig(device='cuda:0'), 0)
+
+
+def test_the_torch_floor_is_the_torch_tested(monkeypatch):
+    """settings.ini declares the torch the suite runs with as the lowest it supports (it was 2.4; Muon needs 2.9, flex's mixed dtypes a
+    recent one); set-up refuses an older torch."""
+    from dflash.taps import torch_floor, environment
+    assert torch_floor() == tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2])
+    monkeypatch.setattr(torch, '__version__', '2.8.0')
+    with pytest.raises(RuntimeError, match=r'torch 2.8.0 is older than 2.13'): environment()

@@ -11,8 +11,8 @@ from contextlib import nullcontext
 from pathlib import Path
 import numpy as np
 import torch
-from .core import write_json_atomic
-from .taps import capture, pad_batch, text_config, load_target
+from .core import write_json_atomic, in_child
+from .taps import capture, pad_batch, text_config, load_target, launcher_child
 from .data import TokenizedDataset
 from .batching import Plan
 from .shards import collate
@@ -24,7 +24,11 @@ from .recipe import rank_device
 
 # %% ../nbs/balance.ipynb #8b32d36f
 def calibrate(cfg, micro=3):
-    "Tokens/s of one target rank and of one drafter rank, measured on the run's first micro-batches: `(rt, rd)`."
+    """Tokens/s of one target rank and of one drafter rank, measured on the run's first micro-batches: `(rt, rd)`; in a child process
+    where `launcher_child` (on a GPU: the launcher keeps none of the memory its ranks will need)."""
+    return in_child(_measure, cfg, micro) if launcher_child() else _measure(cfg, micro)
+
+def _measure(cfg, micro):
     device = rank_device(cfg, 0)
     threads = torch.get_num_threads()
     if device.type == 'cpu': torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks))
@@ -51,7 +55,7 @@ def calibrate(cfg, micro=3):
                 o = drafter(hs, ids2, lm, num_anchors=cfg.num_anchors, generator=anchor_generator(cfg.seed, 0, p))
             o.loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
             if p: t_drafter += _clock(device) - t0
-        del target, drafter, opt
+        del target, drafter, opt, batches, hs, ids2, lm, o                # every GPU tensor, before the cache is emptied
         if device.type == 'cuda': torch.cuda.empty_cache()
         return tokens / t_target, tokens / t_drafter
     finally: torch.set_num_threads(threads)

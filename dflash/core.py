@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['ROOT', 'DATA', 'TINY_TARGET', 'TRAIN_DATA', 'HELDOUT_DATA', 'REGEN_DATA', 'HELDOUT_REGEN', 'RUNS', 'KEEP_TRACEBACKS',
            'cache_dir', 'write_json_atomic', 'read_jsonl', 'append_jsonl', 'read_metrics', 'file_sha256', 'Feeder',
-           'param', 'target_param', 'data_param', 'out_param', 'check_param', 'Job', 'claim_out', 'first_free',
-           'set_aside', 'job_parser', 'errors_dir', 'run_cli']
+           'in_child', 'param', 'target_param', 'data_param', 'out_param', 'check_param', 'Job', 'claim_out',
+           'first_free', 'set_aside', 'job_parser', 'errors_dir', 'run_cli']
 
 # %% ../nbs/core.ipynb #d0542ba4
 import argparse, hashlib, json, math, os, queue, signal, sys, tempfile, threading, time, traceback, types, typing
@@ -110,6 +110,31 @@ class Feeder:
             self.done = True
             if self.error is not None: raise RuntimeError(f'{type(self).__name__} failed: {self.error}') from self.error
         return item
+
+# %% ../nbs/core.ipynb #1aab3760
+def _child_main(q, fn, args, kw):
+    try: q.put((True, fn(*args, **kw)))
+    except BaseException as e: q.put((False, (type(e), str(e), traceback.format_exc())))
+
+def in_child(fn, *args, **kw):
+    "`fn(*args, **kw)` in a spawned process: its result (picklable), or what it raised, raised here; a child that dies is an error."
+    import multiprocessing as mp
+    from dflash.core import _child_main as main       # the package's, which a spawned process can import (not a notebook's copy)
+    ctx = mp.get_context('spawn'); q = ctx.Queue()
+    p = ctx.Process(target=main, args=(q, fn, args, kw), name=f'dflash-{getattr(fn, "__name__", "child")}'); p.start()
+    try:
+        while True:
+            try: ok, val = q.get(timeout=0.5); break
+            except queue.Empty:
+                if p.exitcode is not None and q.empty(): raise RuntimeError(f'{p.name} died with exit code {p.exitcode} (killed, or out of memory?)') from None
+    finally:
+        p.join(timeout=30)
+        if p.is_alive(): p.kill()
+    if ok: return val
+    kind, msg, tb = val
+    try: err = kind(msg)
+    except Exception: err = RuntimeError(msg)
+    raise err from RuntimeError(f'in {p.name}:\n{tb}')
 
 # %% ../nbs/core.ipynb #c0907ef8
 def param(default=None, help='', *, min=None, max=None, choices=None, gt=None, least=None, off=False, needs=None):

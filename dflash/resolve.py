@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, asdict
 from pathlib import Path
 import numpy as np
 import torch
-from .core import Job, claim_out, set_aside, write_json_atomic
+from .core import Job, claim_out, set_aside, write_json_atomic, in_child
 from .taps import (text_config, load_target_config, target_name, target_revision, config_sha256, default_layer_ids, check_layer_ids,
-                         load_tokenizer, logit_transform, parse_dtype, dtype_name, gpu_count)
+                         load_tokenizer, logit_transform, parse_dtype, dtype_name, gpu_count, launcher_child)
 from .data import TokenizedDataset, prepared
 from .batching import Plan
 from .shards import ExtractedDataset, check_extraction
@@ -154,8 +154,9 @@ def _validation(cfg, out, ds):
     if cfg.val_extracted is not None: _not_training_data(cfg, ds)
     if cfg.val_extracted is None and cfg.validates:
         print(f'held-out acceptance: extracting the validation split {cfg.val_data} into {out / "val"}', flush=True)
-        extract(target=cfg.target, data=cfg.val_data, out=str(out / 'val'), layer_ids=cfg.layer_ids, max_samples=cfg.val_samples,
-                max_length=cfg.max_length, dtype=cfg.dtype, gpus=gpu_count(), progress=cfg.progress)
+        x = dict(target=cfg.target, data=cfg.val_data, out=str(out / 'val'), layer_ids=cfg.layer_ids, max_samples=cfg.val_samples,
+                 max_length=cfg.max_length, dtype=cfg.dtype, gpus=gpu_count(), progress=cfg.progress)
+        in_child(extract, **x) if launcher_child() else extract(**x)    # on a GPU, in a child: the launcher holds no GPU memory after it
         cfg.set('val_extracted', str(out / 'val'), f'val_data, extracted into {out / "val"}')
         _not_training_data(cfg, ds)
     if cfg.val_extracted is not None:

@@ -158,3 +158,21 @@ def test_the_torch_floor_is_the_torch_tested(monkeypatch):
     assert torch_floor() == tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2])
     monkeypatch.setattr(torch, '__version__', '2.8.0')
     with pytest.raises(RuntimeError, match=r'torch 2.8.0 is older than 2.13'): environment()
+
+
+def test_the_launcher_keeps_no_target(tmp_path, monkeypatch):
+    """Where jobs run on a GPU, the launcher's own target work (extracting the validation split, calibrating targets='auto') runs in a child
+    process: the ranks that share the GPU with it find it holding nothing. Forced here with DFLASH_LAUNCHER_CHILD=1: the launcher loads no
+    target, and the extraction and the calibration are there. Before: both in the launcher, its cache never emptied."""
+    import json
+    from dflash import taps
+    from dflash.recipe import TrainConfig
+    from dflash.resolve import resolve
+    from dflash.shards import ExtractedDataset
+    monkeypatch.setenv('DFLASH_LAUNCHER_CHILD', '1')
+    before = taps.TARGET_LOADS[0]
+    run = resolve(TrainConfig(out=str(tmp_path / 'run'), targets='auto', ranks=3, val_samples=4, max_samples=64, progress=False))
+    assert taps.TARGET_LOADS[0] == before
+    assert ExtractedDataset(run.config.val_extracted, require_complete=True).manifest['num_samples'] == 4
+    cal = json.loads((tmp_path / 'run' / 'calibration.json').read_text())
+    assert cal['target_tokens_per_s'] > 0 and cal['drafter_tokens_per_s'] > 0 and run.config.targets + run.config.drafters == 3

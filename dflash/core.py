@@ -112,29 +112,14 @@ class Feeder:
         return item
 
 # %% ../nbs/core.ipynb #1aab3760
-def _child_main(q, fn, args, kw):
-    try: q.put((True, fn(*args, **kw)))
-    except BaseException as e: q.put((False, (type(e), str(e), traceback.format_exc())))
-
 def in_child(fn, *args, **kw):
     "`fn(*args, **kw)` in a spawned process: its result (picklable), or what it raised, raised here; a child that dies is an error."
     import multiprocessing as mp
-    from dflash.core import _child_main as main       # the package's, which a spawned process can import (not a notebook's copy)
-    ctx = mp.get_context('spawn'); q = ctx.Queue()
-    p = ctx.Process(target=main, args=(q, fn, args, kw), name=f'dflash-{getattr(fn, "__name__", "child")}'); p.start()
-    try:
-        while True:
-            try: ok, val = q.get(timeout=0.5); break
-            except queue.Empty:
-                if p.exitcode is not None and q.empty(): raise RuntimeError(f'{p.name} died with exit code {p.exitcode} (killed, or out of memory?)') from None
-    finally:
-        p.join(timeout=30)
-        if p.is_alive(): p.kill()
-    if ok: return val
-    kind, msg, tb = val
-    try: err = kind(msg)
-    except Exception: err = RuntimeError(msg)
-    raise err from RuntimeError(f'in {p.name}:\n{tb}')
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    with ProcessPoolExecutor(1, mp_context=mp.get_context('spawn')) as ex:        # its process may start processes of its own
+        try: return ex.submit(fn, *args, **kw).result()
+        except BrokenProcessPool as e: raise RuntimeError(f'the process running {getattr(fn, "__name__", fn)} died (killed, or out of memory?)') from e
 
 # %% ../nbs/core.ipynb #c0907ef8
 def param(default=None, help='', *, min=None, max=None, choices=None, gt=None, least=None, off=False, needs=None):

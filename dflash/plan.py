@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['STORE_BYTES', 'HYBRID_27B_DEFAULT', 'meta_model', 'target_params', 'activation_bytes_per_token',
            'target_flops_per_token', 'drafter_flops_per_token', 'PlanConfig', 'drafter_bytes_per_token',
-           'head_chunk_bytes', 'plan', 'show_plan', 'plan_cli']
+           'head_chunk_bytes', 'held_buffers', 'plan', 'buffers_line', 'show_plan', 'plan_cli']
 
 # %% ../nbs/plan.ipynb #3f16f36d
 import math
@@ -83,6 +83,12 @@ class PlanConfig(Job):
     layer_ids: list[int] | None = param(None, 'tapped layers; None: the DFlash rule for num_layers')
     final_hidden: bool = param(False, "also store the target's final hidden state (a loss against its distribution): one more row a token, every layer run")
     headroom: float = param(0.15, 'fraction of GPU memory kept free', min=0, max=0.9)
+    token_budget: int = param(16384, "the run's token budget (the recipe's), which sizes its HS queue's batches", min=1)
+    q_depth: int = param(20, 'HS queue: batches per target rank (as TrainConfig)', min=1)
+    q_gb: float = param(8.0, 'HS queue: GiB a drafter rank holds at most (as TrainConfig)', gt=0)
+    mask_mb: float = param(1024.0, 'MiB a flex mask takes at most while built (as TrainConfig)', gt=0)
+    staging_gb: float = param(4.0, "extraction: pinned host GiB per GPU worker at most (as ExtractConfig)", gt=0)
+    write_queue: int = param(4, "extraction: batches waiting for the writer (as ExtractConfig)", min=1)
 
     def check(self):
         if self.target is None: self.set('target', str(HYBRID_27B_DEFAULT), 'the shipped 64-layer hybrid config')
@@ -100,6 +106,14 @@ def head_chunk_bytes(dconfig, chunk=4096):
     "The loss's logits, one chunk of rows at a time (fp32, and their bf16 copy for the gradient): the vocabulary makes it large."
     return 6 * chunk * dconfig.vocab_size
 
+def held_buffers(job, H, n_taps, targets, drafters):
+    """The bytes a drafter rank keeps besides its model: the HS queue (what its targets' credits allow, within `q_gb`: batches at the
+    run's token budget of the taps, the final states when the loss reads them, ids and masks, bf16) and one flex mask's build (`mask_mb`)."""
+    batch = job.token_budget * ((n_taps + job.final_hidden) * H * 2 + 24)
+    credits = job.q_depth * -(-targets // drafters)
+    q = min(credits * batch, job.q_gb * 2**30)
+    return dict(batch_bytes=batch, queue_batches=int(q // batch), credit_batches=credits, queue_bytes=q, mask_bytes=job.mask_mb * 2**20)
+
 def plan(*args, **kw):
     "The plan of a run (see `PlanConfig`): memory, token budget, disk, FLOPs and a target:drafter split, as a dict."
     job = args[0] if args and isinstance(args[0], Job) else PlanConfig(*args, **kw)
@@ -111,6 +125,11 @@ def plan(*args, **kw):
     gb = 1e9
     weights, act = 2 * total, activation_bytes_per_token(config, len(ids))
     drafter_fixed, dact = 16 * drafter + 2 * io + head_chunk_bytes(dcfg), drafter_bytes_per_token(dcfg, job.mean_length, job.num_anchors)
+    reach = ids + [tc.num_hidden_layers - 1] if job.final_hidden else ids           # the layers the target runs
+    ft, fd = target_flops_per_token(config, reach, job.mean_length), drafter_flops_per_token(dcfg, job.mean_length, job.num_anchors)
+    t = 1 if job.gpus == 1 else min(job.gpus - 1, max(1, round(job.gpus * ft / (ft + fd))))
+    bufs = held_buffers(job, tc.hidden_size, len(ids), t, max(1, job.gpus - t))
+    drafter_fixed += bufs['queue_bytes'] + bufs['mask_bytes']                     # held in bytes by a setting each
     room = (1 - job.headroom) * job.gpu_mem_gb * gb
     free = room - weights - (drafter_fixed if job.gpus == 1 else 0)               # one GPU: both ranks share it
     budget = int(free // (act + (dact if job.gpus == 1 else 0))) if free > 0 else 0
@@ -118,15 +137,22 @@ def plan(*args, **kw):
     drafter_mem = drafter_fixed + dact * min(budget, dbudget)
     rows = len(ids) + job.final_hidden                                            # the final state: a row of its own
     disk = {k: rows * tc.hidden_size * b + 5 + (4 * (1 + job.final_hidden) if k == 'fp8' else 0) for k, b in STORE_BYTES.items()}   # + id, mask (+ scales)
-    reach = ids + [tc.num_hidden_layers - 1] if job.final_hidden else ids           # the layers the target runs
-    ft, fd = target_flops_per_token(config, reach, job.mean_length), drafter_flops_per_token(dcfg, job.mean_length, job.num_anchors)
-    t = 1 if job.gpus == 1 else min(job.gpus - 1, max(1, round(job.gpus * ft / (ft + fd))))
+    staging = min(job.staging_gb * 2**30, (job.write_queue + 2) * max(budget, 1) * rows * tc.hidden_size * 2)   # extraction: bf16 rows
     return dict(target=str(job.target), params=total, layer_ids=ids, weights_gb=weights / gb, skippable_gb=2 * (sum(per_layer[max(reach) + 1:])) / gb,
                 fits=free > 0, activation_mb_per_1k_tokens=act * 1024 / 2**20, token_budget=budget, drafter_token_budget=dbudget,
                 drafter_params=drafter, drafter_rank_gb=drafter_mem / gb, disk_bytes_per_token=disk,
                 disk_tb={k: v * job.dataset_tokens / 1e12 for k, v in disk.items()},
                 target_gflop_per_token=ft / 1e9, drafter_gflop_per_token=fd / 1e9, targets=t, drafters=max(1, job.gpus - t),
-                head_chunk_gb=head_chunk_bytes(dcfg) / gb, drafter_mb_per_1k_tokens=dact * 1024 / 2**20, job=job.to_dict())
+                head_chunk_gb=head_chunk_bytes(dcfg) / gb, drafter_mb_per_1k_tokens=dact * 1024 / 2**20, buffers=dict(bufs, staging_bytes=staging),
+                job=job.to_dict())
+
+def buffers_line(p):
+    "What the ranks hold besides models and activations, each bounded by a setting."
+    b, j, G = p['buffers'], p['job'], 2**30
+    return (f"held in bytes: the HS queue {b['queue_bytes'] / G:.1f} GiB a drafter rank ({b['queue_batches']} batches of {b['batch_bytes'] / 2**20:,.0f} MiB at "
+            f"token_budget={j['token_budget']:,}; the credits allow {b['credit_batches']}, q_gb={j['q_gb']:g} holds the rest back), a flex mask's build "
+            f"{b['mask_bytes'] / G:.1f} GiB (mask_mb), both in the drafter rank's figure; extraction's pinned staging {b['staging_bytes'] / G:.1f} GiB of host "
+            f"memory a GPU worker (staging_gb), {j['gpus'] * b['staging_bytes'] / G:.1f} GiB for {j['gpus']}; compiled kernels' workspace is not bounded by a setting")
 
 def show_plan(p):
     "The plan as an operator reads it."
@@ -142,6 +168,7 @@ def show_plan(p):
         'disk per token' + (" (the taps and the target's final state)" if j.get('final_hidden') else '') + ': ' + ', '.join(f"{k} {v / 1e3:.1f} KB" for k, v in p['disk_bytes_per_token'].items())
         + f"; for {j['dataset_tokens']:.3g} tokens: " + ', '.join(f"{k} {v:.2f} TB" for k, v in p['disk_tb'].items()),
         f"FLOPs per token of data: target {p['target_gflop_per_token']:.1f} G (to layer {max(p['layer_ids'])}), drafter {p['drafter_gflop_per_token']:.1f} G (training)",
+        buffers_line(p),
         (f"one GPU: one target rank and one drafter rank share it (targets=1, drafters=1), the budget above counting both" if j['gpus'] == 1 else
          f"a starting split of {j['gpus']} GPUs: targets={p['targets']}, drafters={p['drafters']} (equal work per second on each side; refine with the dashboard)")])
 

@@ -1,31 +1,34 @@
-"""One check of every GPU path, in one script (about 8 minutes on one H200), with a report to paste into BENCHMARKS.md.
+"""The one GPU script: every GPU path of a run, each asserting its result, each under its own timeout, with a table for BENCHMARKS.md.
 
-    .venv/bin/python tools/gpu_check.py [--out runs/gpu-check]        on a machine with a GPU
-    .venv/bin/python tools/gpu_check.py --cpu                           the same paths in a reduced form, on a CPU (make test)
+    .venv/bin/python tools/gpu_check.py [--out runs/gpu-check]        on a machine with a GPU (`make gpu-check`)
+    .venv/bin/python tools/gpu_check.py --cpu                           the same paths in a reduced form, on a CPU (`make test`)
 
-Checks, each recorded as passed, failed (with the error) or skipped (with why):
-1. flex:     the drafter's block-masked attention (a sliding layer and a full one) through flex_attention (compiled on a GPU) against SDPA: the same loss
-             and gradients within tolerance.
-2. step:     a bf16 drafter training step at a real target's shapes (Qwen3-8B's: hidden 4096, 151936 tokens, 5 layers):
-             tokens/s and model FLOPs utilisation (MFU) against the GPU's peak; then the same step with the drafter
-             compiled (torch.compile, dynamic shapes): compiled / eager decides TrainConfig.compile's default.
-3. extract:  extraction of a random-weight ~1.5B qwen3_5 hybrid in bf16: ours (`extract`) against the naive recipe
-             (output_hidden_states, one sample at a time) and the bare forward to the last tap; aims ours >= 0.95 of
-             bare and >= 50x naive; MFU.
-4. budget:   the 'auto' token-budget probe, then a CUDA out-of-memory forced by filling the GPU, which the split-and-retry
-             survives with every sample extracted.
-5. online:   the 1+1 online pipeline on one GPU (the two ranks share it through gloo); with 2+ GPUs the NCCL pipeline and
-             DDP with 2 drafter ranks (skipped, with a message, on one GPU).
-6. tree:     DDTree verification (`spec_decode(tree_budget=N)`) on the device, fp32: a random-weight Qwen3 (the flattened tree under a
-             4-D additive mask through SDPA) and the embedded Qwen3.5 hybrid (one row per root-to-leaf path): greedy outputs equal
-             the target's own at budgets 16 and 64; then a tree verify's cost against a chain verify and a plain decode.
-Writes OUT/gpu-check.json and OUT/gpu-check.md; exits 1 if any check failed.
+Checks (a wrong result fails the check; the script exits 1 if any failed):
+1. flex:     the drafter's block-masked attention (a sliding layer and a full one) through flex_attention, compiled on a GPU, against
+             SDPA: the same loss and gradients; then a sweep of batch shapes, both modes and autocast on and off stays within the
+             compiled function's recompile limit.
+2. step:     a bf16 training step at Qwen3-8B's drafter shapes (hidden 4096, 151936 tokens, 5 layers), eager and compiled: finite loss
+             and gradients, tokens/s and MFU, compiled / eager; then Muon on the device: a finite step that moves the weights.
+3. extract:  extraction of a random-weight ~1.5B qwen3_5 hybrid in bf16: the stored hidden states equal a direct capture of the same
+             samples; ours against the bare forward to the last tap and the naive recipe; `gpus=N` worker processes with 2+ GPUs.
+4. budget:   the 'auto' token-budget probe, then an out-of-memory forced by filling the GPU, which the split-and-retry survives.
+5. train:    offline training from the extraction with the held-out reading (finite loss, a held-out tau); a resume from its
+             middle checkpoint: the first step after it bit-exact, the rest within 1e-3, and the final drafter's weights.
+6. online:   1 target + 1 drafter sharing the GPU (gloo through the host): the loss falls and the HS queue stays inside its byte
+             bound; with 2+ GPUs, 2 + 2 ranks on NCCL with DDP.
+7. stop:     SIGTERM to the drafter rank of a running online job: every rank ends within seconds, with a checkpoint.
+8. lossless: the lossless loop with the embedded target in bf16 (near-ties allowed, `dflash.evaluate.near_ties`), and DDTree
+             verification of 16 and 64 nodes on fp32 targets (a Qwen3 and the hybrid): outputs equal the target's own.
+Writes OUT/gpu-check.json and OUT/gpu-check.md (the table).
 """
-import argparse, json, os, platform, sys, tempfile, time, traceback
+import argparse, contextlib, json, os, platform, shutil, signal, subprocess, sys, tempfile, time, traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_BF16 = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12}   # dense bf16 TFLOP/s, the spec sheets'
+# Seconds each check is expected to take on one H100 or H200 (compiles of flex and of the step included), and its timeout.
+ESTIMATE = dict(flex=60, step=120, extract=70, budget=40, train=50, online=45, stop=40, lossless=40)
+TIMEOUT = {k: 2 * v for k, v in ESTIMATE.items()}
 
 
 def peak(torch):
@@ -39,6 +42,11 @@ def sync(torch):
     return time.perf_counter()
 
 
+def finite(torch, model, loss):
+    "The loss and every gradient of `model` are finite."
+    return bool(torch.isfinite(loss).all()) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
 def hybrid_config(tok, cpu):
     "A qwen3_5 hybrid text config: ~1.5B parameters on a GPU, toy-sized on a CPU."
     from dflash.tiny_target import target_config
@@ -49,8 +57,10 @@ def hybrid_config(tok, cpu):
 
 
 def check_flex(a, torch, dev):
-    from dflash.model import DFlashDraftModel, drafter_config
     from transformers import Qwen3Config
+    from torch._dynamo.utils import counters
+    import dflash.blocks as blocks
+    from dflash.model import DFlashDraftModel, drafter_config
     H = 64 if a.cpu else 1024
     tc = Qwen3Config(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                      head_dim=H // 8, vocab_size=2048)
@@ -72,14 +82,29 @@ def check_flex(a, torch, dev):
     (ls, gs), (lf, gf) = out['sdpa'], out['flex']
     worst = max(((gs[n] - gf[n]).abs().max() / gs[n].abs().max().clamp_min(1e-12)).item() for n in gs) if grads else None
     assert abs(ls - lf) < 1e-4 * max(1, abs(ls)) and (worst is None or worst < 1e-3), (ls, lf, worst)
-    return dict(loss_sdpa=ls, loss_flex=lf, max_relative_grad_difference=worst)
+    # the shapes, modes and autocast of a run: the compiled flex stays within its limit ('eager' backend on a CPU: the same guards)
+    import torch._dynamo
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    if a.cpu: blocks.FLEX_BACKEND = 'eager'
+    n0 = counters['stats']['unique_graphs']
+    for bb, SS, A in [(1, S // 2, 1), (2, S, 9), (3, S + 40, 12), (4, S // 2 + 7, 5)]:
+        x, y = torch.randn(bb, SS, 2 * H, device=dev), torch.randint(0, 2048, (bb, SS), device=dev)
+        for grad, amp in ((True, True), (False, False), (False, True)):
+            with torch.set_grad_enabled(grad and grads), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+                o = d(x, y, torch.ones_like(y), num_anchors=A, attn_impl='flex')
+            if grad and grads: o.loss.backward()
+    graphs = counters['stats']['unique_graphs'] - n0
+    assert graphs <= blocks.FLEX_RECOMPILE_LIMIT, graphs
+    return dict(loss_sdpa=ls, loss_flex=lf, max_relative_grad_difference=worst, compiled_graphs=graphs)
 
 
 def check_step(a, torch, dev):
-    "A training step at Qwen3-8B's drafter shapes in bf16 (GPU), or a tiny one (CPU): tokens/s and MFU."
+    "A training step at Qwen3-8B's drafter shapes in bf16 (GPU), or a tiny one (CPU): finite, tokens/s, MFU, compiled; then Muon."
+    from types import SimpleNamespace
     from transformers import Qwen3Config
     from dflash.model import DFlashDraftModel, drafter_config
     from dflash.plan import drafter_flops_per_token
+    from dflash.optim import make_optimizer
     if a.cpu: tc, S, b = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=2048), 256, 2
     else: tc, S, b = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936), 3072, 4
     dc = drafter_config(tc, 5, 16, 151669 if not a.cpu else 5, None)
@@ -92,11 +117,14 @@ def check_step(a, torch, dev):
     opt = torch.optim.AdamW(d.parameters(), lr=1e-4)
     hs = torch.randn(b, S, len(dc.target_layer_ids) * H, device=dev, dtype=dt)
     ids, lm = torch.randint(0, V, (b, S), device=dev), torch.ones(b, S, dtype=torch.long, device=dev)
-    auto = torch.autocast('cuda', dtype=torch.bfloat16) if dev.type == 'cuda' else torch.autocast('cpu', enabled=False)
+    auto = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == 'cuda')
     A = 32 if a.cpu else 512
-    def step():
-        with auto: o = d(hs, ids, lm, num_anchors=A)
-        o.loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    def step(o=opt):
+        with auto: out = d(hs, ids, lm, num_anchors=A)
+        out.loss.backward()
+        ok = finite(torch, d, out.loss)
+        o.step(); o.zero_grad(set_to_none=True)
+        assert ok, 'the loss or a gradient is not finite'
     def rate(n):
         for _ in range(2): step()
         t0 = sync(torch)
@@ -109,30 +137,37 @@ def check_step(a, torch, dev):
              peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if dev.type == 'cuda' else None)
     if not a.cpu:    # TrainConfig.compile's default: on only if this says it pays
         d.compile(dynamic=True); r['compiled_tokens_per_s'] = rate(10); r['compiled / eager'] = r['compiled_tokens_per_s'] / tps
+    cfg = SimpleNamespace(optimizer='muon', lr=1e-3, weight_decay=0.0, muon_ns_steps=5)
+    mo, _ = make_optimizer(d, cfg, lambda s: 1.0)
+    before = d.fc.weight.detach().clone(); step(mo)
+    assert not torch.equal(before, d.fc.weight) and torch.isfinite(d.fc.weight).all(), 'Muon did not move fc, or broke it'
+    r['muon_fc_update_rms'] = (d.fc.weight.float() - before.float()).pow(2).mean().sqrt().item()
     return r
 
 
-def _dataset(tmp, tok, n, length):
-    "`n` random samples of `length` tokens (a random target makes no use of real text), loss on the second half."
+def _dataset(tmp, n, length, name='data', seed=0):
+    "`n` random samples of `length` tokens (a random target makes no use of real text), loss on the second half, saved in `tmp/name`."
     import numpy as np
     from dflash.data import TokenizedDataset
-    g = np.random.default_rng(0)
+    g = np.random.default_rng(seed)
     return TokenizedDataset.from_samples([dict(id=f's{i}', input_ids=g.integers(10, 2000, length).astype(np.int32),
-                                               loss_mask=(np.arange(length) >= length // 2).astype(np.uint8)) for i in range(n)]).save(tmp / 'data')
+                                               loss_mask=(np.arange(length) >= length // 2).astype(np.uint8)) for i in range(n)]).save(tmp / name)
 
 
 def check_extract(a, torch, dev, tok, tmp):
     from transformers import AutoModelForCausalLM
     from dflash.taps import capture, pad_batch, tap_layers, StopForward, default_layer_ids
     from dflash.extract import extract
+    from dflash.shards import ExtractedDataset
     from dflash.batching import token_budget_batches
+    from dflash.plan import target_flops_per_token
     cfg = hybrid_config(tok, a.cpu)
     torch.manual_seed(0)
     dt = torch.bfloat16 if dev.type == 'cuda' else torch.float32
     model = AutoModelForCausalLM.from_config(cfg).to(dev, dt).eval().requires_grad_(False)
     model.save_pretrained(tmp / 'target'); tok.save_pretrained(tmp / 'target')
     n, length = (32, 128) if a.cpu else (256, 1024)
-    ds = _dataset(tmp, tok, n, length)
+    ds = _dataset(tmp, n, length)
     ids_layers = default_layer_ids(cfg.num_hidden_layers)
     budget = 1024 if a.cpu else 32768
     batches = token_budget_batches(ds.lengths, budget)
@@ -152,13 +187,25 @@ def check_extract(a, torch, dev, tok, tmp):
     r = extract(target=str(tmp / 'target'), data=str(tmp / 'data'), out=str(tmp / 'x'), gpus=1 if dev.type == 'cuda' else 0, token_budget=budget,
                 layer_ids=ids_layers, progress=False, model=model, dtype='bf16' if dev.type == 'cuda' else None)
     t_ours = sync(torch) - t0
+    assert r['complete'] and r['num_samples'] == n
+    xds, worst = ExtractedDataset(tmp / 'x', verify=True), 0.0                 # what is stored is what the target computes
+    for i in range(4):
+        with torch.no_grad(): want = capture(model, torch.as_tensor(ds[i]['input_ids'], dtype=torch.long)[None].to(dev), layer_ids=ids_layers)[0].cpu()
+        got = xds.get(i)['hidden_states']
+        assert got.shape == want.shape, (got.shape, want.shape)
+        worst = max(worst, ((got.float() - want.float()).abs().max() / want.float().abs().max()).item())
+    assert worst <= (2e-2 if dt == torch.bfloat16 else 1e-5), f'stored hidden states differ from a direct capture by {worst:.2e}'
     tokens = int(ds.lengths.sum())
-    from dflash.plan import target_flops_per_token
     pk, f = peak(torch), target_flops_per_token(cfg, ids_layers, length) * tokens
     out = dict(params=sum(p.numel() for p in model.parameters()), tokens=tokens, ours_tokens_per_s=tokens / t_ours, bare_tokens_per_s=tokens / t_bare,
                naive_tokens_per_s=tokens / t_naive, ours_over_bare=t_bare / t_ours, ours_over_naive=t_naive / t_ours,
-               mfu=f / t_ours / pk if pk else None, complete=r['complete'])
-    assert r['complete']
+               mfu=f / t_ours / pk if pk else None, stored_vs_capture=worst)
+    if dev.type == 'cuda' and torch.cuda.device_count() >= 2:      # one worker process per GPU
+        g = torch.cuda.device_count()
+        r = extract(target=str(tmp / 'target'), data=str(tmp / 'data'), out=str(tmp / 'xg'), gpus=g, token_budget=budget, layer_ids=ids_layers, progress=False)
+        assert r['complete'] and r['workers'] == g and r['num_samples'] == n
+        out[f'gpus={g} tokens_per_s'] = r['tokens_per_s']
+    else: out['gpus=N'] = 'skipped: needs 2 GPUs'
     return out
 
 
@@ -184,32 +231,101 @@ def check_budget(a, torch, dev, tok, tmp):
     return out
 
 
-def check_online(a, torch, dev, tok, tmp):
+def _train_kw(tmp, **over):
+    "A small run on the random target, every setting the recipe would choose given explicitly."
+    return {**dict(target=str(tmp / 'target'), layer_ids=[1, 2], num_layers=1, num_anchors=16, token_budget=1024, max_batch_size=8, log_every=1,
+                   final_eval=False, progress=False, lr=1e-3, warmup=0, min_lr_ratio=0.1, weight_decay=0.0, epochs=1.0, max_length=4096,
+                   mask_token_id=3, servable=False, val_tree_budgets='none'), **over}
+
+
+def check_train(a, torch, dev, tok, tmp):
+    "Offline training with the held-out reading, then a resume from its middle checkpoint against the uninterrupted run."
+    from safetensors.torch import load_file
+    from dflash.core import read_metrics
+    from dflash.extract import extract
     from dflash.train import train
-    common = dict(target=str(tmp / 'target'), data=str(tmp / 'data'), layer_ids=[1, 2], num_layers=1, num_anchors=16, token_budget=2048,
-                  max_steps=6, log_every=1, ckpt_every=0, final_eval=False, progress=False, lr=1e-3, warmup=0, min_lr_ratio=0.1,
-                  weight_decay=0.0, epochs=1.0, max_length=4096)
-    r = train(out=str(tmp / 'on11'), targets=1, drafters=1, **common)
-    out = {'1+1 steps': r['step']}
-    assert r['step'] == 6
-    if dev.type == 'cuda' and torch.cuda.device_count() >= 2:
-        r = train(out=str(tmp / 'on22'), targets=2, drafters=2, **common); out['2+2 (NCCL, DDP) steps'] = r['step']
-    else: out['2+ GPUs'] = 'skipped: needs 2 GPUs for the NCCL pipeline and DDP with 2 drafter ranks'
+    x = extract(target=str(tmp / 'target'), data=str(tmp / 'data'), out=str(tmp / 'xt'), layer_ids=[1, 2], token_budget=1024, max_samples=24,
+                progress=False, gpus=1 if dev.type == 'cuda' else 0)
+    _dataset(tmp, 8, 128 if a.cpu else 1024, 'held-out', seed=1)
+    v = extract(target=str(tmp / 'target'), data=str(tmp / 'held-out'), out=str(tmp / 'xv'), layer_ids=[1, 2], token_budget=1024, progress=False,
+                gpus=1 if dev.type == 'cuda' else 0)
+    assert x['complete'] and v['complete']
+    kw = _train_kw(tmp, extracted=x['out'], val_extracted=v['out'], drafters=1, max_steps=6, ckpt_every=3, eval_every=3, keep=3)
+    r = train(out=str(tmp / 'off'), **kw)
+    loss = {m['step']: m['loss'] for m in read_metrics(tmp / 'off') if 'loss' in m}
+    val = [m for m in read_metrics(tmp / 'off') if 'val_tau' in m]
+    assert r['step'] == 6 and sorted(loss) == list(range(1, 7)) and all(map(lambda z: z == z and abs(z) < 1e4, loss.values()))
+    assert val and all(1 <= m['val_tau'] <= 16 for m in val)
+    shutil.copytree(tmp / 'off', tmp / 'res')                          # the same run, stopped after its checkpoint at step 3
+    shutil.rmtree(tmp / 'res' / 'checkpoints' / 'step-6'); shutil.rmtree(tmp / 'res' / 'drafter', ignore_errors=True)
+    (tmp / 'res' / 'result.json').unlink(missing_ok=True)
+    train(out=str(tmp / 'res'), resume=True, **kw)
+    again = {m['step']: m['loss'] for m in read_metrics(tmp / 'res') if 'loss' in m}
+    rel = max(abs(again[s] - loss[s]) / max(abs(loss[s]), 1e-9) for s in (4, 5, 6))
+    w0, w1 = (load_file(tmp / d / 'checkpoints' / 'step-6' / 'model.safetensors') for d in ('off', 'res'))
+    wrel = max(((w0[k].float() - w1[k].float()).abs().max() / w0[k].float().abs().max().clamp_min(1e-12)).item() for k in w0)
+    assert again[4] == loss[4], f'the first step after the resume differs: {again[4]} != {loss[4]}'
+    assert rel <= 1e-3 and wrel <= 1e-3, (rel, wrel)
+    return dict(steps=r['step'], first_loss=loss[1], last_loss=loss[6], val_tau=val[-1]['val_tau'], resume_max_relative_loss_difference=rel,
+                resume_max_relative_weight_difference=wrel)
+
+
+def check_online(a, torch, dev, tok, tmp):
+    from dflash.core import read_metrics
+    from dflash.train import train
+    q_gb = 3 * 1024 * 2 * 64 * 4 / 2**30 if a.cpu else 3 * 1024 * 2 * 2048 * 2 / 2**30     # three of its largest batches
+    r = train(**_train_kw(tmp, out=str(tmp / 'on11'), data=str(tmp / 'data'), targets=1, drafters=1, max_steps=12, ckpt_every=0, q_gb=q_gb, lr=3e-3))
+    ms = [m for m in read_metrics(tmp / 'on11') if 'loss' in m]
+    first, last = sum(m['loss'] for m in ms[:3]) / 3, sum(m['loss'] for m in ms[-3:]) / 3
+    peak_q = max(m['q_peak_bytes'] for m in ms)
+    assert r['step'] == 12 and last < first, (first, last)
+    assert 0 < peak_q <= ms[-1]['q_bytes_capacity'], (peak_q, ms[-1]['q_bytes_capacity'])
+    out = {'1+1 steps': r['step'], 'loss first/last 3': f'{first:.3f}/{last:.3f}', 'queue peak / bound MiB': f'{peak_q / 2**20:.2f}/{q_gb * 1024:.2f}'}
+    if dev.type == 'cuda' and torch.cuda.device_count() >= 4:
+        r = train(**_train_kw(tmp, out=str(tmp / 'on22'), data=str(tmp / 'data'), targets=2, drafters=2, max_steps=6, ckpt_every=0))
+        assert r['step'] == 6; out['2+2 (NCCL, DDP) steps'] = r['step']
+    else: out['2+2'] = 'skipped: needs 4 GPUs for NCCL between ranks of their own and DDP with 2 drafter ranks'
     return out
 
 
-def check_tree(a, torch, dev, tok):
+def check_stop(a, torch, dev, tok, tmp):
+    "An online job that would run for ages; SIGTERM to its drafter rank: every rank ends within seconds, with a checkpoint at its step."
+    from dflash.core import read_metrics
+    from dflash.checkpoint import latest_checkpoint
+    out = tmp / 'stop'
+    kw = _train_kw(tmp, data=str(tmp / 'data'), out=str(out), targets=1, drafters=1, max_steps=100000, epochs=100, ckpt_every=0, q_depth=64)
+    code = f"from dflash.train import train; import json; print(json.dumps(train(**{kw!r})))"
+    p = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t0 = time.time()
+    while len(read_metrics(out)) < 3 and p.poll() is None and time.time() - t0 < TIMEOUT['stop']: time.sleep(0.2)
+    assert p.poll() is None, p.stdout.read()[-2000:]
+    t_stop = time.time(); os.kill(int((out / 'logs' / 'rank-1.pid').read_text()), signal.SIGTERM)
+    text, _ = p.communicate(timeout=TIMEOUT['stop'])
+    secs = time.time() - t_stop
+    assert p.returncode == 0, text[-2000:]
+    res = json.loads(text.strip().splitlines()[-1])
+    assert res['stopped'] == 'signal' and latest_checkpoint(out).name == f"step-{res['step']}" and secs < 30, (res, secs)
+    return dict(stopped_at_step=res['step'], seconds_to_end=secs)
+
+
+def check_lossless(a, torch, dev, tok):
     from transformers import AutoConfig, AutoModelForCausalLM
     from dflash.core import TINY_TARGET
-    from dflash.evaluate import greedy_decode, load_prompts, spec_decode, DFlashDrafter
+    from dflash.evaluate import greedy_decode, load_prompts, spec_decode, evaluate, DFlashDrafter
     from dflash.verify import tree_verify_cost
     from dflash.model import DFlashDraftModel, drafter_config
+    ps, out = load_prompts(tok, n=16), {}
+    bf = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.bfloat16).to(dev).eval()   # the loop in bf16: near-ties allowed
     torch.manual_seed(0)
+    d = DFlashDraftModel(drafter_config(bf.config, 1, 16, tok.mask_token_id, [1, 2])).to(dev, torch.bfloat16).attach_target(bf).eval()
+    r = evaluate(bf, d, [ps[i] for i in ((5, 6, 9) if a.cpu else range(16))], 40, strict=True)
+    assert r['lossless'], 'the bf16 loop parted from the target other than at a near-tie'
+    out['bf16 loop identical / lossless'] = f"{sum(p['identical'] for p in r['per_prompt'])}/{len(r['per_prompt'])}"
     qc = AutoConfig.for_model('qwen3', vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
     targets = dict(qwen3=AutoModelForCausalLM.from_config(qc).to(dev).eval(),
                    hybrid=AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).to(dev).eval())
-    prompt, out = load_prompts(tok, n=1)[0], {}
+    prompt = ps[0]
     for name, t in targets.items():
         d = DFlashDraftModel(drafter_config(t.config, 1, 16, tok.mask_token_id, [1, 2])).to(dev).attach_target(t).eval()
         want = greedy_decode(t, prompt, 32)
@@ -222,37 +338,64 @@ def check_tree(a, torch, dev, tok):
     return out
 
 
+@contextlib.contextmanager
+def deadline(seconds):
+    "Raise TimeoutError in this (the main) thread once `seconds` have passed."
+    def fire(*_): raise TimeoutError(f'over its timeout of {seconds} s')
+    old = signal.signal(signal.SIGALRM, fire); signal.alarm(int(seconds))
+    try: yield
+    finally: signal.alarm(0); signal.signal(signal.SIGALRM, old)
+
+
+def table(report):
+    "The report as a markdown table for BENCHMARKS.md."
+    md = [f"GPU check ({report['machine']['mode']}): {report['machine']}", '', '| check | status | seconds (est.) | figures |', '|---|---|---:|---|']
+    md += [f"| {k} | {v['status']} | {v['seconds']} ({ESTIMATE[k]}) | " + ', '.join(f'{x}: {y:.4g}' if isinstance(y, float) else f'{x}: {y}'
+           for x, y in v.items() if x not in ('status', 'seconds', 'traceback')) + ' |' for k, v in report['checks'].items()]
+    return '\n'.join(md) + '\n'
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--cpu', action='store_true', help='the reduced form, on the CPU')
     p.add_argument('--out', default=str(ROOT / 'runs' / 'gpu-check'))
-    p.add_argument('--only', default='flex,step,extract,budget,online,tree')
+    p.add_argument('--only', default=','.join(ESTIMATE))
     a = p.parse_args(argv)
+    if a.cpu: os.environ['DFLASH_DEVICE'] = 'cpu'
+    else: os.environ.pop('DFLASH_DEVICE', None)
     import torch
     from transformers import AutoTokenizer
     from dflash.core import TINY_TARGET
+    from dflash.taps import environment
     if not a.cpu and not torch.cuda.is_available(): sys.exit('gpu_check: no GPU here; --cpu runs the reduced form')
     dev = torch.device('cpu' if a.cpu else 'cuda:0')
+    names = a.only.split(',')
+    if bad := [n for n in names if n not in ESTIMATE]: sys.exit(f'gpu_check: no check {bad}; the checks: {", ".join(ESTIMATE)}')
+    print(environment(), flush=True)
+    if not a.cpu: print(f'estimated {sum(ESTIMATE[n] for n in names) / 60:.1f} min on one H100 or H200 (per check: {ESTIMATE}; each times out at twice that)', flush=True)
     tok, tmp = AutoTokenizer.from_pretrained(TINY_TARGET), Path(tempfile.mkdtemp(prefix='gpu-check-'))
     checks = dict(flex=lambda: check_flex(a, torch, dev), step=lambda: check_step(a, torch, dev),
                   extract=lambda: check_extract(a, torch, dev, tok, tmp), budget=lambda: check_budget(a, torch, dev, tok, tmp),
-                  online=lambda: check_online(a, torch, dev, tok, tmp), tree=lambda: check_tree(a, torch, dev, tok))
+                  train=lambda: check_train(a, torch, dev, tok, tmp), online=lambda: check_online(a, torch, dev, tok, tmp),
+                  stop=lambda: check_stop(a, torch, dev, tok, tmp), lossless=lambda: check_lossless(a, torch, dev, tok))
+    needs_target = {'budget', 'train', 'online', 'stop'}
+    if needs_target & set(names) and 'extract' not in names: names.insert(0, 'extract')     # they read its target and data
     report = dict(machine=dict(gpu=torch.cuda.get_device_name() if not a.cpu else None, torch=torch.__version__, python=platform.python_version(),
                                cpus=os.cpu_count(), mode='cpu (reduced)' if a.cpu else 'gpu'), checks={})
-    for name in a.only.split(','):
-        t0 = time.time()
-        try: res = dict(status='passed', **checks[name]())
-        except Exception as e: res = dict(status='failed', error=f'{type(e).__name__}: {e}'[:500], traceback=traceback.format_exc()[-2000:])
-        res['seconds'] = round(time.time() - t0, 1)
-        report['checks'][name] = res
-        print(f"{name:8s} {res['status']:7s} {res['seconds']:6.1f}s  " + json.dumps({k: v for k, v in res.items() if k not in ('status', 'seconds', 'traceback')}), flush=True)
+    try:
+        for name in names:
+            t0 = time.time()
+            try:
+                with deadline(TIMEOUT[name] * (3 if a.cpu else 1)): res = dict(status='passed', **checks[name]())
+            except Exception as e: res = dict(status='failed', error=f'{type(e).__name__}: {e}'[:500], traceback=traceback.format_exc()[-2000:])
+            res['seconds'] = round(time.time() - t0, 1)
+            report['checks'][name] = res
+            print(f"{name:8s} {res['status']:7s} {res['seconds']:6.1f}s  " + json.dumps({k: v for k, v in res.items() if k not in ('status', 'seconds', 'traceback')}, default=str), flush=True)
+    finally: shutil.rmtree(tmp, ignore_errors=True)
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
     (out / 'gpu-check.json').write_text(json.dumps(report, indent=1, default=str))
-    md = [f"GPU check ({report['machine']['mode']}): {report['machine']}", '', '| check | status | seconds | figures |', '|---|---|---:|---|']
-    md += [f"| {k} | {v['status']} | {v['seconds']} | " + ', '.join(f'{x}: {y:.4g}' if isinstance(y, float) else f'{x}: {y}'
-           for x, y in v.items() if x not in ('status', 'seconds', 'traceback')) + ' |' for k, v in report['checks'].items()]
-    (out / 'gpu-check.md').write_text('\n'.join(md) + '\n')
-    print('\n'.join(md))
+    (out / 'gpu-check.md').write_text(table(report))
+    print(table(report))
     return 0 if all(v['status'] == 'passed' for v in report['checks'].values()) else 1
 
 

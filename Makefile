@@ -122,7 +122,9 @@ vllm-check:
 chaos: setup
 	$(TEST_ENV) $(PY) tools/chaos.py --n $(or $(N),50)
 
-# Every GPU path once (flex attention, a bf16 step, extraction against naive and bare, the token-budget probe and an
-# OOM, the online pipeline), about 8 minutes on one H200; the report goes to runs/gpu-check/ for BENCHMARKS.md.
+# The one GPU script: every GPU path of a run, each asserting its result under its own timeout (flex and its recompiles, a bf16
+# compiled step and Muon, extraction against a direct capture, the budget probe and an OOM, offline training with a resume, the online
+# queue's bytes, a stop, the lossless loop in bf16); it prints its estimate (~8 min on one H100 or H200), exits 1 on any wrong result,
+# and writes the table to runs/gpu-check/ for BENCHMARKS.md. `make test` runs its reduced form on the CPU.
 gpu-check: setup
 	$(PY) tools/gpu_check.py

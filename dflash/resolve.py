@@ -298,6 +298,14 @@ class Run:
         d = json.loads(Path(d).read_text()) if not isinstance(d, dict) else d
         return cls(TrainConfig.load(d), **{k: d[k] for k in cls.__dataclass_fields__ if k != 'config' and k in d})
 
+    def _held(self):
+        "The line on what a drafter rank holds in bytes besides its model, each bounded by a setting."
+        c, H = self.config, self.target['hidden_size']
+        dt = parse_dtype(c.dtype, rank_device(c, 0).type == 'cuda')
+        n = batch_bytes(1, c.token_budget, len(c.layer_ids) * H, dt, H if self.final_states else 0)
+        return (f"  held in bytes: the HS queue at most {c.q_gb:g} GiB a drafter rank ({int(c.q_gb * 2**30 // n)} batches of {n / 2**20:,.1f} MiB at "
+                f"the token budget), a flex mask at most {c.mask_mb:g} MiB while it is built")
+
     def describe(self):
         "The settings table the job prints as it starts: every setting and where it came from, then what was resolved from them."
         d, t, p = self.drafter, self.target, self.plan
@@ -309,7 +317,8 @@ class Run:
                  (f'; training vocabulary: {len(self.vocab)} ids, {self.vocab_coverage:.1%} of the labels' if self.vocab else ''),
                  f"  plan: {p['total_steps']} optimizer steps over {p['samples']} samples" +
                  (f"; resumed from {self.resume['checkpoint']} (step {self.resume['step']})" if self.resume else ''),
-                 f"  llama.cpp: {'; '.join(self.servable) if self.servable else 'serves it'}" + ('; the run ends with its check' if self.engine_eval else '')]
+                 f"  llama.cpp: {'; '.join(self.servable) if self.servable else 'serves it'}" + ('; the run ends with its check' if self.engine_eval else ''),
+                 self._held()]
         return self.config.announce() + '\nresolved:\n' + '\n'.join(lines)
 
 # %% ../nbs/resolve.ipynb #f4f07006

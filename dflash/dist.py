@@ -250,7 +250,8 @@ class OnlineSource(Feeder):
             if head[0] != p: raise RuntimeError(f'drafter {self.d}: expected micro-batch {p} from {c.name(t)}, got {head[0]}')
             n = batch_bytes(head[1], head[2], head[4], head[5], head[6])
             if not self.reserve(n, f'micro-batch {p} from {c.name(t)} ({head[1]} x {head[2]} tokens)', c.stopping): self.drop(t, head); break
-            q, hs, ids, lm, lengths, fin = self._recv(recv_batch, t, head)
+            if (got := self._recv(recv_batch, t, head)) is None: return
+            q, hs, ids, lm, lengths, fin = got
             self.got[t] += 1
             self.put(dict(p=p, hidden_states=hs, input_ids=ids, loss_mask=lm, tokens=int(lengths.sum()), src=t, nbytes=n,
                           **({} if fin is None else dict(final_hidden=fin))))

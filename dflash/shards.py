@@ -76,7 +76,7 @@ class ShardFile:
         self.f.write(_bytes(hs)); self.rows += len(hs); self.nbytes += hs.nbytes
         if fh is not None: self.finals.append(fh.clone()); self.nbytes += fh.nbytes    # copies: the batch's host memory is reused
         for k in self.small:
-            if item.get(k) is not None: self.small[k].append(np.array(item[k]))
+            if item.get(k) is not None: self.small[k].append(np.asarray(item[k]).copy())
 
     def close(self):
         "Write the small tensors and the header, fsync, rename; returns the manifest entry {file, num_samples, num_tokens, sha256, bytes}."

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 from .model import DFlashConfig, DFlashDraftModel, drafter_config
+from .draft_vocab import DFlashVocabDraftModel
 from .dflash2 import DFlash2DraftModel, as_dflash2
 from .dspark import DSparkDraftModel, dspark_config, PAPER, PAPER_GAMMA
 
@@ -28,6 +29,7 @@ class Design:
     defaults: Callable = lambda hybrid, demo, num_layers: {}           # settings it takes where the run leaves them open: {name: (value, why)}
     decay_gamma: Callable = lambda B: None        # the gamma of its slot decay at block B (None: the loss's own, by block)
     first_slot: int = 1                           # the index its slot decay counts from
+    served_vocab: type | None = None              # its class served with a head of its own over a draft vocabulary (None: it has none)
 
 def _dflash2_defaults(hybrid, demo, num_layers):
     why = 'recipe: the published Qwen3.8-27B DFlash2 drafter'
@@ -39,7 +41,7 @@ def _dspark_defaults(hybrid, demo, num_layers):
                 loss_terms=(','.join(f'{k}:{v}' for k, v in PAPER.items()), "DSpark: the paper's loss"))
 
 DESIGNS = {d.name: d for d in (
-    Design('dflash', 'DFlashDraftModel', DFlashDraftModel, drafter_config),
+    Design('dflash', 'DFlashDraftModel', DFlashDraftModel, drafter_config, served_vocab=DFlashVocabDraftModel),
     Design('dflash2', 'DFlash2DraftModel', DFlash2DraftModel, drafter_config, start=as_dflash2, defaults=_dflash2_defaults),
     Design('dspark', 'Qwen3DSparkModel', DSparkDraftModel, dspark_config, warm_start=False, default_terms=dict(PAPER),
            defaults=_dspark_defaults, decay_gamma=lambda B: PAPER_GAMMA, first_slot=0))}
@@ -52,9 +54,17 @@ def design_of(config):
     else: archs = json.loads((Path(config) / 'config.json').read_text()).get('architectures') or []
     return next((d for d in DESIGNS.values() if d.architecture in archs), DESIGNS['dflash'])
 
+def _served_vocab(config):
+    if isinstance(config, DFlashConfig): return getattr(config, 'draft_vocab_size', None)
+    if isinstance(config, dict): return config.get('draft_vocab_size')
+    return json.loads((Path(config) / 'config.json').read_text()).get('draft_vocab_size')
+
 def drafter_class(config):
-    "The drafter class of a config or a checkpoint directory (`design_of`)."
-    return design_of(config).model
+    "The drafter class of a config or a checkpoint directory (`design_of`): its served form's when it has a draft vocabulary (`draft_vocab_size`)."
+    d = design_of(config)
+    if not _served_vocab(config): return d.model
+    if d.served_vocab is None: raise ValueError(f'draft_vocab_size: a {d.architecture} drafter has no served form with a vocabulary of its own (DFlash has)')
+    return d.served_vocab
 
 def build_drafter(config, arch=None):
     "The drafter a run of design `arch` (None: the config's) trains, built from `config` (fresh weights): the design's `start` of it."

@@ -57,6 +57,7 @@ class DFlashConfig(Qwen3Config):
     target_revision: str | None = None
     target_config_sha256: str | None = None
     is_causal: bool | None = None
+    draft_vocab_size: int | None = None       # a served form with a head of its own over this many tokens (`draft_vocab.ipynb`)
 
     def __post_init__(self, **kwargs):
         dc = dict(self.dflash_config or {})
@@ -88,6 +89,7 @@ class DFlashConfig(Qwen3Config):
         d = super().to_dict()
         d['rope_theta'] = (d.get('rope_parameters') or {}).get('rope_theta', d.get('rope_theta'))
         if d.get('is_causal') is None: d.pop('is_causal', None)
+        if d.get('draft_vocab_size') is None: d.pop('draft_vocab_size', None)
         return d
 
 # %% ../nbs/model.ipynb #9fb78505
@@ -207,6 +209,9 @@ class DFlashDraftModel(PreTrainedModel):
     mask_token_id = property(lambda self: self.config.mask_token_id)
     target_layer_ids = property(lambda self: self.config.target_layer_ids)
     draft_len = property(lambda self: self.block_size - 1, doc='Tokens drafted per block: slots 1..B-1 (slot 0 holds the last committed token).')
+    def draft_hits(self, h, labels, hit):
+        "Whether each labelled row drafts its label: `hit`, the loss's argmax over the target's head (a served form with a head of its own reads that, `draft_vocab.ipynb`)."
+        return hit
     def block_labels(self, input_ids, loss_mask, anchors, valid):
         "The labels [b, A, draft_len] of the drafted slots of the blocks at `anchors` (`dflash.loss.block_labels`: slot k, token a+k)."
         return block_labels(input_ids, loss_mask, anchors, valid, self.block_size)
@@ -300,7 +305,7 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
     if len(lk):
         total, norm, w, ce, hit, top, info = _head_loss(self, hk, lk, labels, keep, anchors, final_hidden, terms, chunk, vocab, loss,
                                                         gamma, dpace_alpha, self._selector_k, teacher_transform)
-        if top is None: hits[keep] = hit
+        if top is None: hits[keep] = self.draft_hits(hk, lk, hit)
         else:                                                            # DFlash2: the selector's term, counts and hits
             sel_ce, has, sel_hit = self.selector_rows(hk, along_blocks(input_ids, anchors, keep), top, lk)
             sel = (w[has] * sel_ce).sum()

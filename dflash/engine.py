@@ -8,7 +8,7 @@ __all__ = ['LLAMACPP', 'MODEL_FILES', 'NEAR_TIE', 'converter', 'gpt2_split', 'ch
            'EngineConfig', 'engine_job', 'engine_cli']
 
 # %% ../nbs/engine.ipynb #02358aca
-import hashlib, json, os, platform, re, subprocess, sys, tarfile, tempfile, threading, time, urllib.request
+import hashlib, json, os, platform, re, shutil, subprocess, sys, tarfile, tempfile, threading, time, urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
@@ -16,6 +16,7 @@ from .core import Job, param, run_cli, RUNS, DATA, cache_dir, claim_out, file_sh
 from .taps import text_config, load_target, load_target_config, load_tokenizer
 from .dflash2 import DFLASH2
 from .designs import drafter_class
+from .draft_vocab import full_form, add_gguf_head
 from .publish import check_drafter
 from .evaluate import load_prompts, load_drafter, evaluate
 from .speedup import write_profile, predict, PROFILE_FILE
@@ -114,15 +115,18 @@ def to_gguf(model, target=None, outtype='f16', out=None):
         print(f'note: {f}: {why}; converting it again', file=sys.stderr, flush=True)
     f.parent.mkdir(parents=True, exist_ok=True)
     conv, tmp, stmp = converter(), f.with_name(f'.{f.name}.{os.getpid()}.tmp'), f.with_name(f'.{f.name}.sha256.{os.getpid()}.tmp')
-    cmd = [sys.executable, '-c', _DRIVER, str(conv), '1' if gpt2_split(target or model) else '0', str(model), '--outfile', str(tmp), '--outtype', outtype]
+    served = target is not None and json.loads((model / 'config.json').read_text()).get('draft_vocab_size')   # a head of its own
+    src = full_form(model, f.with_name(f'.{f.name}.{os.getpid()}.full')) if served else model
+    cmd = [sys.executable, '-c', _DRIVER, str(conv), '1' if gpt2_split(target or model) else '0', str(src), '--outfile', str(tmp), '--outtype', outtype]
     if target is not None: cmd += ['--target-model-dir', str(target)]
     elif _no_mtp(model): cmd += ['--no-mtp']                      # a hybrid without multi-token-prediction layers
     try:
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode: raise RuntimeError(f'llama.cpp cannot convert {model}: ' + ' | '.join((r.stderr or r.stdout).strip().splitlines()[-3:]))
+        if served: add_gguf_head(tmp, model, outtype)
         stmp.write_text(f'{file_sha256(tmp)}  {f.name}\n'); os.replace(stmp, checksum_file(f))   # the checksum first: a file seen has one
         os.replace(tmp, f)
-    finally: tmp.unlink(missing_ok=True); stmp.unlink(missing_ok=True)
+    finally: tmp.unlink(missing_ok=True); stmp.unlink(missing_ok=True); shutil.rmtree(src, ignore_errors=True) if served else None
     return f
 
 # %% ../nbs/engine.ipynb #4ac2ecef

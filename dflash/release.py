@@ -15,6 +15,8 @@ from .taps import target_name, text_config, load_target_config
 from .loss import GAMMA, parse_terms, needs_target, tree_loss_budget
 from .dspark import PAPER_CONFIDENCE
 from .designs import drafter_class, design_of
+from .shards import ExtractedDataset
+from .draft_vocab import label_coverage
 from .publish import save_drafter, model_card
 from .evaluate import TauProbe, NgramDrafter, tau_table
 from .validate import resolution
@@ -160,6 +162,22 @@ def _served(cfg, trainer, probe, path, res):
             f"{cfg.eval_max_new_tokens}`; the server: `{r0['commands']['server']}`.")
 
 # %% ../nbs/release.ipynb #5171b815
+def _vocab_form(cfg, trainer, model, probe, res):
+    """With a training vocabulary (`train_vocab`), the drafter also served with it as a head of its own (`drafter-vocab/`, `draft_vocab.ipynb`),
+    where its design has that form: `(path, {row: its tau in our loop}, the card's sentence)`, its figures in `res`; `(None, {}, '')` otherwise."""
+    served = design_of(model.config).served_vocab
+    if trainer.vocab is None or served is None: return None, {}, ''
+    vm, vocab = served.from_full(model, trainer.vocab), trainer.vocab.cpu()
+    path = save_drafter(vm, Path(cfg.out) / 'drafter-vocab', None if cfg.demo else torch.bfloat16)
+    K, V = len(vocab), model.config.vocab_size
+    held = label_coverage(ExtractedDataset(cfg.val_extracted), vocab) if cfg.val_extracted else None
+    tau = probe(vm)[0] if cfg.final_eval else None
+    res.update(drafter_vocab=str(path), draft_vocab_size=K, vocab_coverage_heldout=held, tau_vocab=tau)
+    said = (f' This is its form served with a vocabulary of its own: a head over the {K:,} most frequent labels of its training data (of the '
+            f"target's {V:,} tokens; `draft_vocab_size`, `d2t`, `t2d`), {trainer.resolved.vocab_coverage:.2%} of the training labels"
+            + (f' and {held:.2%} of the held-out ones' if held is not None else '') + '; a token outside it is never drafted. The full form is `../drafter`.')
+    return path, ({f"{type(model).__name__.removesuffix('DraftModel')} drafter, its own vocabulary": tau} if tau is not None else {}), said
+
 def _publish(cfg, trainer, probe, device, validator=None, engine=False):
     """Save the published drafter (bf16 for a real target), measure tau beside the n-gram baseline (and with `engine`, the run's
     `engine_eval` as resolved, in llama.cpp), write its model card."""
@@ -172,7 +190,13 @@ def _publish(cfg, trainer, probe, device, validator=None, engine=False):
     if validator is not None and validator.best:
         res.update(best_step=validator.best['step'], val_tau=validator.best['val_tau'], val_tau_se=validator.best['val_tau_se'])
     taus, sampled, measured = _measure(cfg, trainer, probe, model, device, res) if cfg.final_eval else ({}, None, '')
-    if engine:
-        row, said = _served(cfg, trainer, probe, path, res); taus.update(row); measured += said
-    model_card(path, _trained_how(cfg, trainer, chosen), taus, measured, cfg.eval_temperature if sampled else None, sampled)
+    vpath, vtaus, vsaid = _vocab_form(cfg, trainer, model, probe, res)
+    if engine:                                       # llama.cpp serves the form it reads fastest: its own vocabulary, where it has one
+        row, said = _served(cfg, trainer, probe, vpath or path, res)
+        if vpath: vtaus.update(row); vsaid += said
+        else: taus.update(row); measured += said
+    how = _trained_how(cfg, trainer, chosen)
+    model_card(path, how + (f' The same drafter served with a vocabulary of its own: `{vpath}`.' if vpath else ''), taus, measured,
+               cfg.eval_temperature if sampled else None, sampled)
+    if vpath: model_card(vpath, how + vsaid, {**taus, **vtaus}, measured, cfg.eval_temperature if sampled else None, sampled)
     return res

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['STORE_BYTES', 'HYBRID_27B_DEFAULT', 'meta_model', 'target_params', 'activation_bytes_per_token',
            'target_flops_per_token', 'drafter_flops_per_token', 'PlanConfig', 'drafter_bytes_per_token',
-           'head_chunk_bytes', 'held_buffers', 'plan', 'buffers_line', 'show_plan', 'plan_cli']
+           'head_chunk_bytes', 'draft_head_share', 'held_buffers', 'plan', 'buffers_line', 'show_plan', 'plan_cli']
 
 # %% ../nbs/plan.ipynb #3f16f36d
 import math
@@ -89,6 +89,7 @@ class PlanConfig(Job):
     mask_mb: float = param(1024.0, 'MiB a flex mask takes at most while built (as TrainConfig)', gt=0)
     staging_gb: float = param(4.0, "extraction: pinned host GiB per GPU worker at most (as ExtractConfig)", gt=0)
     write_queue: int = param(4, "extraction: batches waiting for the writer (as ExtractConfig)", min=1)
+    draft_vocab: int = param(32768, "a drafter served with a vocabulary of its own of this many tokens (train_vocab): its head's share of a draft", min=1)
 
     def check(self):
         if self.target is None: self.set('target', str(HYBRID_27B_DEFAULT), 'the shipped 64-layer hybrid config')
@@ -105,6 +106,14 @@ def drafter_bytes_per_token(dconfig, mean_length, num_anchors=512, dtype_bytes=2
 def head_chunk_bytes(dconfig, chunk=4096):
     "The loss's logits, one chunk of rows at a time (fp32, and their bf16 copy for the gradient): the vocabulary makes it large."
     return 6 * chunk * dconfig.vocab_size
+
+def draft_head_share(dconfig, rows=None, context=1500):
+    """The head's share of a drafter's serving FLOPs per drafted row: every layer (projections, MLP, attention over `context` positions
+    and its block) against the head over `rows` tokens (None: the target's whole vocabulary)."""
+    d = dconfig; H, n, kv, q = d.hidden_size, d.num_hidden_layers, d.num_key_value_heads * d.head_dim, d.num_attention_heads * d.head_dim
+    layers = n * (2 * (H * q + 2 * H * kv + q * H + 3 * H * d.intermediate_size) + 4 * q * (context + d.block_size))
+    head = 2 * H * (rows or d.vocab_size)
+    return head / (head + layers)
 
 def held_buffers(job, H, n_taps, targets, drafters):
     """The bytes a drafter rank keeps besides its model: the HS queue (what its targets' credits allow, within `q_gb`: batches at the
@@ -138,12 +147,13 @@ def plan(*args, **kw):
     rows = len(ids) + job.final_hidden                                            # the final state: a row of its own
     disk = {k: rows * tc.hidden_size * b + 5 + (4 * (1 + job.final_hidden) if k == 'fp8' else 0) for k, b in STORE_BYTES.items()}   # + id, mask (+ scales)
     staging = min(job.staging_gb * 2**30, (job.write_queue + 2) * max(budget, 1) * rows * tc.hidden_size * 2)   # extraction: bf16 rows
-    return dict(target=str(job.target), params=total, layer_ids=ids, weights_gb=weights / gb, skippable_gb=2 * (sum(per_layer[max(reach) + 1:])) / gb,
+    return dict(target=str(job.target), params=total, vocab_size=tc.vocab_size, layer_ids=ids, weights_gb=weights / gb, skippable_gb=2 * (sum(per_layer[max(reach) + 1:])) / gb,
                 fits=free > 0, activation_mb_per_1k_tokens=act * 1024 / 2**20, token_budget=budget, drafter_token_budget=dbudget,
                 drafter_params=drafter, drafter_rank_gb=drafter_mem / gb, disk_bytes_per_token=disk,
                 disk_tb={k: v * job.dataset_tokens / 1e12 for k, v in disk.items()},
                 target_gflop_per_token=ft / 1e9, drafter_gflop_per_token=fd / 1e9, targets=t, drafters=max(1, job.gpus - t),
                 head_chunk_gb=head_chunk_bytes(dcfg) / gb, drafter_mb_per_1k_tokens=dact * 1024 / 2**20, buffers=dict(bufs, staging_bytes=staging),
+                head_share=dict(full=draft_head_share(dcfg, None, job.mean_length), served=draft_head_share(dcfg, min(job.draft_vocab, tc.vocab_size), job.mean_length)),
                 job=job.to_dict())
 
 def buffers_line(p):
@@ -169,6 +179,8 @@ def show_plan(p):
         + f"; for {j['dataset_tokens']:.3g} tokens: " + ', '.join(f"{k} {v:.2f} TB" for k, v in p['disk_tb'].items()),
         f"FLOPs per token of data: target {p['target_gflop_per_token']:.1f} G (to layer {max(p['layer_ids'])}), drafter {p['drafter_gflop_per_token']:.1f} G (training)",
         buffers_line(p),
+        f"a drafted row's FLOPs when served: the head is {100 * p['head_share']['full']:.0f}% of them over the target's {p['vocab_size']:,} rows, "
+        f"{100 * p['head_share']['served']:.0f}% over a vocabulary of its own of {min(j['draft_vocab'], p['vocab_size']):,} (train_vocab; draft_vocab.ipynb)",
         (f"one GPU: one target rank and one drafter rank share it (targets=1, drafters=1), the budget above counting both" if j['gpus'] == 1 else
          f"a starting split of {j['gpus']} GPUs: targets={p['targets']}, drafters={p['drafters']} (equal work per second on each side; refine with the dashboard)")])
 

@@ -97,10 +97,17 @@ class Feeder:
         "The consumer is done with an item of `n` reserved bytes."
         with self._room: self.held -= n; self._room.notify_all()
 
+    def end_stream(self):
+        "The end of the stream, now: `get` returns None after the items queued, while `fill` may go on (a stop's drain)."
+        with self._room:
+            if self.ended: return
+            self.ended = True
+        self.q.put(None)
+
     def _run(self):
         try: self.fill()
         except BaseException as e: self.error = e
-        finally: self.ended = True; self.q.put(None)
+        finally: self.end_stream()
 
     def get(self):
         "The next item; None when the feeder has finished. Raises what the feeder raised."

@@ -271,6 +271,7 @@ class OnlineSource(Feeder):
         """On a stop: for each target, wait until it has said how many batches it sent (`HSSender.close`), then receive and drop those this
         rank did not take. Under NCCL a target cannot leave with a send nobody receives, nor this rank wait on a receive nobody sends."""
         if not self.coord.stopping(): return
+        self.end_stream()                           # the trainer saves now: a target that died never closes, and the watchdog ends this rank
         for t in self.srcs:
             k = link(t, self.d)
             self.coord.wait_until(lambda: self.coord.flag(f'closed/{k}'))
@@ -282,6 +283,7 @@ class OnlineSource(Feeder):
     def close(self):
         "Wait for the receiver thread to end (on a stop, its drain): a rank leaves only when nothing is in flight to or from it."
         self.thread.join()
+        if self.error is not None: raise RuntimeError(f'drafter {self.d}: its receiver failed: {self.error}') from self.error
 
 # %% ../nbs/dist.ipynb #88b4006d
 from torch.distributed.elastic.multiprocessing.api import LogsSpecs, LogsDest

@@ -11,7 +11,8 @@ import errno, json, os, shutil, time
 from pathlib import Path
 import torch
 from .core import write_json_atomic, read_jsonl, first_free
-from .taps import config_sha256, load_target_config
+from .taps import config_sha256, weights_sha256, load_target_config
+from .speedup import read_profile, profile_sha256
 from .publish import save_drafter
 
 # %% ../nbs/checkpoint.ipynb #320b32f9
@@ -44,7 +45,8 @@ def save_checkpoint(out, step, model, state, keep=2):
                                        f'No checkpoint of this run is complete yet ({root} holds none): free space, then start again')) from None
     if final.exists(): os.replace(final, old)                 # the same step saved again (a stop right after a save)
     os.replace(tmp, final)
-    write_json_atomic(final / 'COMPLETE', dict(step=step, time=time.time(), config=state.get('config'), data_sha256=state.get('data_sha256')))
+    write_json_atomic(final / 'COMPLETE', dict(step=step, time=time.time(), config=state.get('config'), data_sha256=state.get('data_sha256'),
+                                               **{k: state.get(k) for k in ('target_weights_sha256', 'profile_sha256')}))
     shutil.rmtree(old, ignore_errors=True)
     done = sorted((p for p in root.glob('step-*') if (p / 'COMPLETE').exists()), key=lambda p: int(p.name.split('-')[1]))
     for p in done[:-keep]: shutil.rmtree(p, ignore_errors=True)
@@ -106,6 +108,10 @@ def _resume_changes(ck, st, cfg, data_sha256):
     if 'target' in diff and _same_target(ck, cfg.target):
         print(f"resume: the target moved ({diff.pop('target')[0]} -> {cfg.target}); its config is the same: the same target", flush=True)
     if st.get('data_sha256') and data_sha256 and st['data_sha256'] != data_sha256: diff['data'] = (st['data_sha256'][:12], data_sha256[:12])
+    if (w := st.get('target_weights_sha256')) and 'target' not in diff and (w2 := weights_sha256(cfg.target)) and w2 != w:
+        diff['target_weights'] = (f'sha256 {w[:12]}', f'sha256 {w2[:12]}')            # the same config, other weights: fine-tuned or replaced (as 'data': not a setting)
+    if (p := st.get('profile_sha256')) and cfg.engine_profile and 'engine_profile' not in diff and (p2 := profile_sha256(read_profile(cfg.engine_profile))) != p:
+        diff['engine_profile'] = (f'{cfg.engine_profile}, costs sha256 {p[:12]}', f'{cfg.engine_profile}, costs sha256 {p2[:12]}')   # one path, other costs
     allowed = {k.strip() for k in (cfg.resume_changes or '').split(',')}
     was = lambda ks: f'resume: {ck} was written with ' + ', '.join(f'{k}={diff[k][0]!r}' for k in ks) + '; this run has ' + ', '.join(f'{k}={diff[k][1]!r}' for k in ks)
     if 'target' in diff: raise ValueError(was(['target']) + ", whose config differs: the drafter was trained for another target; start a new run")

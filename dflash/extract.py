@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, data_param, out_param, run_cli, claim_out
 from .taps import (capture, check_finite, pad_batch, text_config, check_layer_ids, default_layer_ids, parse_dtype, dtype_name, peak_mem_bytes,
-                         load_target, load_target_config, target_name, config_sha256)
+                         load_target, load_target_config, target_name, config_sha256, weights_sha256)
 from .data import TokenizedDataset, prepared, other_dataset
 from .batching import token_budget_batches, split_batches, DEFAULT_TOKEN_BUDGET, DEFAULT_MAX_BATCH_SIZE
 from .metrics import Monitor, plot_throughput
@@ -312,7 +312,7 @@ class ExtractConfig(Job):
 def _header(job, config, ds, dt, store):
     "What the manifest records about the run: a later run into the same out must match it."
     tc = text_config(config)
-    return dict(target=target_name(job.target), target_config_sha256=config_sha256(config), layer_ids=job.layer_ids,
+    return dict(target=target_name(job.target), target_config_sha256=config_sha256(config), target_weights_sha256=weights_sha256(job.target), layer_ids=job.layer_ids,
                 dtype='float8_e4m3fn' if store == 'fp8' else store or dtype_name(dt), compute_dtype=dtype_name(dt),
                 dataset_sha256=ds.fingerprint(), tokenizer_sha256=ds.meta.get('tokenizer_sha256'), num_target_layers=tc.num_hidden_layers,
                 hidden_size=tc.hidden_size, dataset=str(ds.path), final_hidden=bool(job.final_hidden))

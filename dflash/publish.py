@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from .taps import config_sha256
 from .dspark import STS_FILE, STS_BOUND, read_sts, sts_at_bound
+from .tree import stale_tree_temperatures
 
 # %% ../nbs/publish.ipynb #09474195
 def check_drafter(dconfig, target_config, target=''):
@@ -65,6 +66,7 @@ def save_drafter(model, path, dtype=None):
     sd = model.served_state_dict()
     if dtype is not None: sd = {k: v.to(dtype) for k, v in sd.items()}
     model.save_pretrained(path, state_dict=sd)
+    if moved := stale_tree_temperatures(path): print(f'{path}: the tree temperatures fitted to the weights it held before are now in {moved.name}', flush=True)
     if dtype is not None:
         c = json.loads((Path(path) / 'config.json').read_text()); c['dtype'] = str(dtype).removeprefix('torch.')
         (Path(path) / 'config.json').write_text(json.dumps(c, indent=2, sort_keys=True))

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from .core import Job, claim_out, set_aside, write_json_atomic, in_child
-from .taps import (text_config, load_target_config, target_name, target_revision, config_sha256, default_layer_ids, check_layer_ids,
+from .taps import (text_config, load_target_config, target_name, target_revision, config_sha256, weights_sha256, default_layer_ids, check_layer_ids,
                          load_tokenizer, logit_transform, parse_dtype, dtype_name, gpu_count, launcher_child)
 from .data import TokenizedDataset, prepared
 from .batching import Plan
@@ -27,12 +27,12 @@ from .loss import parse_terms, needs_target
 from .evaluate import load_prompts
 from .engine import serving_problems
 from .validate import check_best, check_best_by
-from .speedup import read_profile
+from .speedup import read_profile, profile_lengths
 from .recipe import TrainConfig, SLIDING, FULL, layer_type_list, rank_device
 from .dist import batch_bytes
 from .balance import auto_split
 from .checkpoint import latest_checkpoint, adopt_checkpoint, _resume_changes
-from .release import engine_runs
+from .release import engine_runs, check_engine_env
 
 # %% ../nbs/resolve.ipynb #b15f8912
 def init_config(path):
@@ -122,8 +122,8 @@ def _servable(cfg, tcfg):
     """Refuse what llama.cpp cannot serve of this drafter (`dflash.engine.serving_problems`), before any training, naming the setting;
     `servable=False` turns the check off. The embedded demo, unless asked (`servable=True`), is not refused: where the run would end
     with the engine check (`engine_runs`), it is told at once that llama.cpp cannot serve it, and the check is turned off. Returns
-    what llama.cpp cannot serve of the drafter where that is not refused ([]: nothing, or not checked)."""
-    if cfg.servable is False or (cfg.servable is None and cfg.demo and not engine_runs(cfg, tcfg)): return []
+    what llama.cpp cannot serve of the drafter where that is not refused ([]: nothing; None: not checked)."""
+    if cfg.servable is False or (cfg.servable is None and cfg.demo and not engine_runs(cfg, tcfg)): return None
     d2 = init_config(cfg.init_from).dflash_config if cfg.init_from else None
     if not (bad := serving_problems(tcfg, cfg.layer_ids, cfg.arch, d2)): return []
     if cfg.servable is None and cfg.demo and not cfg.given('engine_eval'):
@@ -278,7 +278,7 @@ class Run:
     vocab_coverage: float = 1.0       # the share of the training labels they are
     loss_terms: dict = field(default_factory=dict)   # {term: weight} of the loss (the design's own when the run names none)
     final_states: bool = False        # the loss reads the target's final hidden states
-    servable: list = field(default_factory=list)     # what llama.cpp cannot serve of the drafter (not refused: the demo, or servable=False)
+    servable: list | None = field(default_factory=list)   # what llama.cpp cannot serve of the drafter (not refused: the demo); None: not checked
     engine_eval: bool = False         # the run ends with the engine check
     profile: dict | None = None       # the engine profile of the predicted speed-up (val_speedup)
     plan: dict = field(default_factory=dict)         # samples, total_steps, per_epoch, batches
@@ -317,7 +317,7 @@ class Run:
                  (f'; training vocabulary: {len(self.vocab)} ids, {self.vocab_coverage:.1%} of the labels' if self.vocab else ''),
                  f"  plan: {p['total_steps']} optimizer steps over {p['samples']} samples" +
                  (f"; resumed from {self.resume['checkpoint']} (step {self.resume['step']})" if self.resume else ''),
-                 f"  llama.cpp: {'; '.join(self.servable) if self.servable else 'serves it'}" + ('; the run ends with its check' if self.engine_eval else ''),
+                 f"  llama.cpp: {'not checked' if self.servable is None else '; '.join(self.servable) if self.servable else 'serves it'}" + ('; the run ends with its check' if self.engine_eval else ''),
                  self._held()]
         return self.config.announce() + '\nresolved:\n' + '\n'.join(lines)
 
@@ -342,6 +342,7 @@ def _settings(cfg, out):
     tcfg = load_target_config(cfg.target); L = text_config(tcfg).num_hidden_layers
     if cfg.init_from: resolve_init_from(cfg, tcfg)                   # before any default: unset settings are the checkpoint's
     resolve_arch(cfg, tcfg)
+    cfg.check_loss()                                                 # a resume's adopted design and loss terms, before anything is written
     if cfg.layer_ids is None and not cfg.online: cfg.set('layer_ids', ExtractedDataset(cfg.extracted).layer_ids, "the extraction's")
     if cfg.layer_ids is None: cfg.set('layer_ids', default_layer_ids(L, cfg.num_layers), f'the DFlash rule for {cfg.num_layers} drafter layers')
     check_layer_ids(cfg.layer_ids, L)
@@ -359,7 +360,8 @@ def resolve(cfg):
     to `out/run.json` (the settings with their origins to `out/config.json`)."""
     out = claim_out(Path(cfg.out).resolve(), cfg); cfg.out = str(out)
     tcfg, ck, st, changed, earlier = _settings(cfg, out)
-    servable = _servable(cfg, tcfg)
+    if cfg.engine_profile: profile_lengths(read_profile(cfg.engine_profile), cfg.block_size - DESIGNS[cfg.arch].first_slot)   # it predicts at a length drafted
+    servable, engine = _servable(cfg, tcfg), check_engine_env(cfg, tcfg)   # llama.cpp's environment too, before anything is written
     out.mkdir(parents=True, exist_ok=True)
     if cfg.online: cfg.data = str(Path(prepared(cfg.data, cfg.target, out, cfg.max_length)).resolve())
     else: cfg.extracted = str(Path(cfg.extracted).resolve())
@@ -377,10 +379,11 @@ def resolve(cfg):
     cfg.warn_inert()                                                 # now that the run is resolved: what it will never read
     cfg.save(out / 'config.json')
     terms = parse_terms(cfg.loss_terms) if cfg.loss_terms else dict(DESIGNS[cfg.arch].default_terms)
-    run = Run(cfg, target=dict(name=cfg.target, revision=target_revision(cfg.target), config_sha256=config_sha256(tcfg), num_hidden_layers=tc.num_hidden_layers,
+    run = Run(cfg, target=dict(name=cfg.target, revision=target_revision(cfg.target), config_sha256=config_sha256(tcfg), weights_sha256=weights_sha256(cfg.target),
+                               num_hidden_layers=tc.num_hidden_layers,
                                hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, logit_transform=list(logit_transform(tcfg))),
               drafter=json.loads(drafter_for(cfg, tcfg, mask).to_json_string()), vocab=None if vocab is None else vocab.tolist(), vocab_coverage=coverage,
-              loss_terms=terms, final_states=needs_target(terms), servable=servable, engine_eval=engine_runs(cfg, tcfg),
+              loss_terms=terms, final_states=needs_target(terms), servable=servable, engine_eval=engine,
               profile=read_profile(cfg.engine_profile) if cfg.engine_profile else None, plan=_plan_of(cfg, ds), data_sha256=sha,
               resume=dict(checkpoint=str(ck), step=st.get('step'), changed={k: list(v) for k, v in changed.items()}) if st else None)
     write_json_atomic(out / 'run.json', run.to_dict())

@@ -8,7 +8,7 @@ __all__ = ['LAYER_PATHS', 'DTYPES', 'TARGET_LOADS', 'default_layer_ids', 'check_
            'final_norm', 'logit_transform', 'target_logits', 'parse_dtype', 'dtype_name', 'peak_mem_bytes',
            'gpus_present', 'auto_device', 'launcher_child', 'gpu_count', 'torch_floor', 'environment', 'resolve_target',
            'target_name', 'target_revision', 'load_tokenizer', 'load_target', 'load_target_config', 'load_target_io',
-           'tokenizer_sha256', 'config_sha256']
+           'tokenizer_sha256', 'config_sha256', 'weights_sha256']
 
 # %% ../nbs/taps.ipynb #05c80b55
 import functools, hashlib, importlib.util, json, os, resource, subprocess
@@ -316,8 +316,8 @@ def load_target_config(target):
     return AutoConfig.from_pretrained(resolve_target(target))
 
 # %% ../nbs/taps.ipynb #0dcbdbe8
-def _weight_files(target):
-    "{tensor name: local file} of the tensors a target's safetensors hold, fetching (or finding in the cache) only the index."
+def _weight_index(target):
+    "`({tensor name: file name}, path)`: where each tensor of a target's safetensors is, and `path(file name)`, the local file (fetched or found in the cache)."
     s = resolve_target(target)
     if Path(s).is_dir(): d, fetch = Path(s), None
     else:
@@ -332,7 +332,12 @@ def _weight_files(target):
         names = {}
         for f in files:
             with safe_open(fetch(f) if fetch else d / f, 'pt') as sf: names.update({k: f for k in sf.keys()})
-    return {k: (lambda f=f: fetch(f) if fetch else d / f) for k, f in names.items()}
+    return names, (lambda f: Path(fetch(f)) if fetch else d / f)
+
+def _weight_files(target):
+    "{tensor name: a function giving its local file} of the tensors a target's safetensors hold, fetching only the index until one is read."
+    names, path = _weight_index(target)
+    return {k: (lambda f=f: path(f)) for k, f in names.items()}
 
 def load_target_io(target, dtype=None, device=None):
     "Frozen `(nn.Embedding, nn.Linear)` of `target` (a directory or hub id), read from its safetensors without loading the model."
@@ -359,3 +364,19 @@ def config_sha256(config):
     "sha256 of a HF config's content, without the fields that vary between loads (dtype, paths, versions)."
     d = {k: v for k, v in config.to_dict().items() if k not in ('transformers_version', '_name_or_path', 'torch_dtype', 'dtype', '_commit_hash')}
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+
+def weights_sha256(target, reads=16, size=1 << 16):
+    """A fingerprint of `target`'s weights that reads a few MiB, not the whole model: each safetensors file's name, size and header (every
+    tensor's name, dtype, shape and place) and `reads` evenly spaced reads of `size` bytes of its data. A fine-tuned, retrained or requantized
+    target with the same config changes it. None for a target without safetensors files."""
+    try: names, path = _weight_index(target)
+    except Exception: return None                                      # no safetensors to read (or none fetched): nothing to compare
+    h = hashlib.sha256()
+    for name in sorted(set(names.values())):
+        f = path(name); n = f.stat().st_size
+        with open(f, 'rb') as fh:
+            head = int.from_bytes(fh.read(8), 'little'); h.update(f'{name} {n} '.encode()); h.update(fh.read(head))
+            data = n - 8 - head
+            for i in range(reads):
+                fh.seek(8 + head + max(0, data - size) * i // max(1, reads - 1)); h.update(fh.read(size))
+    return h.hexdigest()

@@ -19,6 +19,7 @@ from .model import feature_scale_of
 from .blocks import anchor_generator
 from .loss import tail_sample
 from .designs import drafter_class, DESIGNS
+from .speedup import profile_sha256
 from .track import Trackers
 from .metrics import Meter, progress_line, TREE_CALIBRATION
 from .optim import make_optimizer, lr_factor
@@ -32,6 +33,7 @@ class Trainer:
         cfg = run.config
         self.resolved, self.cfg, self.coord, self.d, self.plan, self.device, self.group = run, cfg, coord, d, plan, device, group
         self.data_sha256, self.changed = run.data_sha256, dict(run.resume['changed']) if run.resume else {}
+        self.inputs = dict(target_weights_sha256=run.target.get('weights_sha256'), profile_sha256=run.profile and profile_sha256(run.profile))   # a resume compares them
         self.main, self.out = d == 0, Path(cfg.out)
         if self.main: self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
@@ -95,7 +97,7 @@ def _state(self):
     return dict(optimizer=self.opt.state_dict(), scheduler=self.sched.state_dict(), step=self.step, tokens=self.tokens,
                 micro=self.step * self.cfg.grad_accum, stepped=self.stepped, drafters=self.cfg.drafters, rng=torch.get_rng_state(), config=self.cfg.to_dict(),
                 **({'cuda_rng': torch.cuda.get_rng_state(self.device)} if self.device.type == 'cuda' else {}),
-                data_sha256=self.data_sha256, **({} if fs is None else dict(feature_scale=fs, fc_weight=self.model.fc.weight.detach())))
+                data_sha256=self.data_sha256, **self.inputs, **({} if fs is None else dict(feature_scale=fs, fc_weight=self.model.fc.weight.detach())))
 
 def _save(self):
     "Drafter 0 writes the checkpoint; the other drafters wait for it."

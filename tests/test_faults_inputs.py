@@ -178,3 +178,9 @@ def test_settings_a_run_never_reads_are_marked(w):
     online, offline = TrainConfig().describe(), TrainConfig(extracted=str(w / 'xA')).describe()
     assert 'not read' not in line(online, 'targets') and 'not read' not in line(online, 'data')
     for k in ('targets', 'data'): assert '(not read: only with online training (no extracted))' in line(offline, k)
+
+
+def test_treecal_without_target_names_the_default_it_compared(w):
+    "A drafter of another target with --target left out: the default (SmolLM2) is compared first, and the message says to give --target."
+    code, err = cli(treecal_cli, '--drafter', w / 'ck', '--extracted', w / 'xA')
+    assert code == 1 and 'is a drafter for' in err and '(target left out: SmolLM2-135M-Instruct; give --target)' in err, err[-1500:]

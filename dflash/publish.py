@@ -64,7 +64,7 @@ def save_drafter(model, path, dtype=None):
     folded into `fc`) and in `dtype` if given."""
     model.should_save_on_this_rank = lambda is_main_process: True
     sd = model.served_state_dict()
-    if dtype is not None: sd = {k: v.to(dtype) for k, v in sd.items()}
+    if dtype is not None: sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}   # maps (d2t, t2d) keep theirs
     model.save_pretrained(path, state_dict=sd)
     if moved := stale_tree_temperatures(path): print(f'{path}: the tree temperatures fitted to the weights it held before are now in {moved.name}', flush=True)
     if dtype is not None:

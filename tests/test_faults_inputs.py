@@ -144,6 +144,8 @@ def test_a_resume_checks_the_profiles_costs_and_the_targets_weights(w, tmp_path)
     assert code == 0, err[-2000:]
     ev = [json.loads(l) for l in (run / 'metrics.jsonl').read_text().splitlines() if '"resume"' in l]
     assert 'engine_profile' in ev[-1]['changed']
+    code, err = cli(train_cli, '--target', w / 'A', *args, '--max-steps', '6', '--resume', '--resume-changes', 'max_steps')   # the same costs: no change
+    assert code == 0, err[-2000:]
 
 
 def test_a_resume_into_a_tree_loss_for_dspark_is_refused_before_anything_is_written(w, tmp_path):

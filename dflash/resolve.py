@@ -27,7 +27,7 @@ from .loss import parse_terms, needs_target
 from .evaluate import load_prompts
 from .engine import serving_problems
 from .validate import check_best, check_best_by
-from .speedup import read_profile, profile_lengths
+from .speedup import read_profile, profile_lengths, check_profile
 from .recipe import TrainConfig, SLIDING, FULL, layer_type_list, rank_device
 from .dist import batch_bytes
 from .balance import auto_split
@@ -296,7 +296,9 @@ class Run:
     def load(cls, d):
         "The `Run` in a `to_dict` (or a run.json file): what every rank runs."
         d = json.loads(Path(d).read_text()) if not isinstance(d, dict) else d
-        return cls(TrainConfig.load(d), **{k: d[k] for k in cls.__dataclass_fields__ if k != 'config' and k in d})
+        run = cls(TrainConfig.load(d), **{k: d[k] for k in cls.__dataclass_fields__ if k != 'config' and k in d})
+        if run.profile is not None: run.profile = check_profile(run.profile, 'run.json')   # JSON's keys are text: its costs by length as ints again
+        return run
 
     def _held(self):
         "The line on what a drafter rank holds in bytes besides its model, each bounded by a setting."
@@ -368,7 +370,8 @@ def resolve(cfg):
     ds = TokenizedDataset.load(cfg.data) if cfg.online else check_extraction(ExtractedDataset(cfg.extracted), cfg.target, cfg.layer_ids)
     _check_data(cfg, ds); _target_distribution(cfg, ds); _check_queue(cfg, tcfg, ds)
     if earlier and not cfg.resume: print(f'the earlier run in {out} is now in {set_aside(out, RUN_FILES)}')
-    if 'val_data' in changed and (out / 'val').exists(): print(f'resume: val_data changed; the extraction of the old one is now in {set_aside(out, ["val"])}')
+    if (why := {'val_data', 'target_weights'} & set(changed)) and (out / 'val').exists():
+        print(f'resume: {", ".join(sorted(why))} changed; the extraction of the old split is now in {set_aside(out, ["val"])}')
     _validation(cfg, out, ds)
     mask, tc, sha = resolve_mask_token(cfg), text_config(tcfg), _training_sha(cfg, ds)
     vocab, coverage = frequent_labels(cfg, tc.vocab_size)

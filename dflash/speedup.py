@@ -59,7 +59,7 @@ def profile_lengths(p, most, src=None):
         v, d = [n + 1 for n in range(1, most + 1) if n + 1 not in p['verify_ms']], [n for n in range(1, most + 1) if n not in p['draft_ms']]
         raise ValueError(f"engine_profile {src or p.get('path') or p.get('name')}: no costs at a length this drafter drafts (1..{most} a step): it lacks "
                          + '; '.join(s for s in (v and f'verify_ms of {v} tokens', d and f'draft_ms of {d} drafted') if s)
-                         + f' (profile them: dflash_engine --profile --profile-lengths 1..{most})')
+                         + f" (profile them: dflash_engine --profile --profile-lengths {','.join(map(str, range(1, most + 1)))})")
     return have
 
 def profile_sha256(p):

@@ -368,15 +368,25 @@ def config_sha256(config):
 def weights_sha256(target, reads=16, size=1 << 16):
     """A fingerprint of `target`'s weights that reads a few MiB, not the whole model: each safetensors file's name, size and header (every
     tensor's name, dtype, shape and place) and `reads` evenly spaced reads of `size` bytes of its data. A fine-tuned, retrained or requantized
-    target with the same config changes it. None for a target without safetensors files."""
-    try: names, path = _weight_index(target)
-    except Exception: return None                                      # no safetensors to read (or none fetched): nothing to compare
-    h = hashlib.sha256()
-    for name in sorted(set(names.values())):
-        f = path(name); n = f.stat().st_size
-        with open(f, 'rb') as fh:
-            head = int.from_bytes(fh.read(8), 'little'); h.update(f'{name} {n} '.encode()); h.update(fh.read(head))
-            data = n - 8 - head
-            for i in range(reads):
-                fh.seek(8 + head + max(0, data - size) * i // max(1, reads - 1)); h.update(fh.read(size))
-    return h.hexdigest()
+    target with the same config changes it. A hub target: the files in its local cache (nothing is downloaded). None where the files
+    are not all there: nothing to compare."""
+    try:
+        s = resolve_target(target)
+        if Path(s).is_dir(): names, path = _weight_index(s)
+        else:                                                          # a hub id: the files in the local cache, never a download
+            from huggingface_hub import try_to_load_from_cache
+            idx = try_to_load_from_cache(s, 'model.safetensors.index.json')
+            names = json.loads(Path(idx).read_text())['weight_map'] if isinstance(idx, str) else {'': 'model.safetensors'}
+            path = lambda f: Path(p) if isinstance(p := try_to_load_from_cache(s, f), str) else None
+        files = {name: path(name) for name in sorted(set(names.values()))}
+        if not files or None in files.values(): return None             # not all of it here: nothing to compare
+        h = hashlib.sha256()
+        for name, f in files.items():
+            n = f.stat().st_size
+            with open(f, 'rb') as fh:
+                head = int.from_bytes(fh.read(8), 'little'); h.update(f'{name} {n} '.encode()); h.update(fh.read(head))
+                data = n - 8 - head
+                for i in range(reads):
+                    fh.seek(8 + head + max(0, data - size) * i // max(1, reads - 1)); h.update(fh.read(size))
+        return h.hexdigest()
+    except Exception: return None                                      # no safetensors to read: nothing to compare

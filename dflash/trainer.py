@@ -223,7 +223,7 @@ def _run(self, source, stop_flag=lambda: False, evaluate_tau=None, validate=None
         for k in range(cfg.grad_accum):
             item = self._next(source)
             if item is None:                                    # the job is stopping: keep what was learnt
-                self.save(); return 'signal' if stop_flag() or self.coord.get('stop') in ('SIGTERM', 'SIGINT') else 'the data source stopped'
+                self.save(); return 'signal' if stop_flag() or self.coord.get('stop') in ('SIGTERM', 'SIGINT', 'signal') else 'the data source stopped'
             o = self.micro_step(item, last=k == cfg.grad_accum - 1)
             source.consumed(item); meter.add(o, item['tokens']); samples += item.get('sample_ids') or []
         self.optimizer_step(samples); meter.steps += 1

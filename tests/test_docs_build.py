@@ -33,3 +33,18 @@ def test_the_sidebar_follows_the_data_and_api_pages_repeat():
     assert all(rel.parts[0] == 'experiments' for _, rel, _, _ in docs.pages()[len(docs.ORDER):]), 'experiments last'
     for nb, _, _, mod in docs.pages():
         if mod: assert ' at 0x' not in docs.api(mod), mod
+
+
+def test_two_builds_are_the_same_bytes(tmp_path):
+    "An API page (dist's: a default that is a function, whose repr carries an address) built twice in two processes: the same bytes."
+    nbs = tmp_path / 'nbs'
+    notebook(nbs / 'index.ipynb', '# Home')
+    nb = json.loads((nbs / 'index.ipynb').read_text())
+    nb['cells'].append(dict(cell_type='code', id='x', metadata={}, execution_count=None, outputs=[], source='#| default_exp dist'))
+    (nbs / 'index.ipynb').write_text(json.dumps(nb))
+    pages = []
+    for k in (1, 2):
+        out = tmp_path / f'site{k}'
+        subprocess.run([sys.executable, str(ROOT / 'tools' / 'docs.py'), '--out', str(out), '--nbs', str(nbs)], check=True, capture_output=True, timeout=300)
+        pages.append((out / 'index.html').read_bytes())
+    assert b'dflash.dist.Coord' in pages[0] and pages[0] == pages[1]

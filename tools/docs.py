@@ -91,8 +91,10 @@ def body(nb, rel, known, problems=None):
 
 def images(page, out):
     "The images a built page shows that are not in the site: `src` paths (not data: or http) with no file behind them."
+    from urllib.parse import unquote
+    local = lambda src: unquote(html.unescape(src).split('#')[0].split('?')[0])
     return [src for src in re.findall(r'<img[^>]*?src="([^"]+)"', page.read_text())
-            if not src.startswith(('data:', 'http:', 'https:')) and not (page.parent / src.split('#')[0]).resolve().is_file()]
+            if not src.startswith(('data:', 'http:', 'https:', '//')) and not (page.parent / local(src)).resolve().is_file()]
 
 
 def build(out, nbs=NBS):

@@ -17,7 +17,6 @@ from .taps import text_config, load_target, load_target_config, load_tokenizer
 from .dflash2 import DFLASH2
 from .designs import drafter_class
 from .draft_vocab import full_form, add_gguf_head
-from .publish import check_drafter
 from .evaluate import load_prompts, load_drafter, evaluate, check_inputs
 from .speedup import write_profile, predict, PROFILE_FILE
 from .shards import ExtractedDataset
@@ -181,10 +180,8 @@ def _not_started(err, files):
 def llamacpp_verbosity():
     "llama.cpp's log level from `$DFLASH_LLAMACPP_VERBOSITY` (unset: 0, quiet); anything but a whole number 0..4 refused, naming the variable."
     v = os.environ.get('DFLASH_LLAMACPP_VERBOSITY', '0').strip() or '0'
-    if not (v.isdigit() and 0 <= int(v) <= 4):
-        raise ValueError(f'DFLASH_LLAMACPP_VERBOSITY={v!r}: llama.cpp\'s log level is a whole number 0..4 (0: quiet, 3: its usual log); '
-                         'unset it or give one')
-    return int(v)
+    if v.isdigit() and int(v) <= 4: return int(v)
+    raise ValueError(f"DFLASH_LLAMACPP_VERBOSITY={v!r}: llama.cpp's log level is a whole number 0..4 (0: quiet, 3: its usual log); unset it or give one")
 
 class Engine:
     """llama.cpp's server (xllamacpp) on the GGUF file `target`, with the drafter `drafter` (a GGUF file) drafting `n_max` tokens a step.

@@ -57,6 +57,11 @@ def fake_drafter(d):
     (d / 'drafter' / 'config.json').write_text(json.dumps(dict(architectures=['DFlashDraftModel'], block_size=8)))
 
 
+def fake_served(d):
+    "A run's two published drafters as far as served_vocab.ipynb reads them before any model loads: their configs, block 8."
+    fake_drafter(d); (d / 'drafter-vocab').mkdir(); (d / 'drafter-vocab' / 'config.json').write_text((d / 'drafter' / 'config.json').read_text())
+
+
 # Issue 31's cases 8 and 19: (notebook, its -p pairs, what it must say, what the case needs in its folder first)
 BAD = {
     'data_curve-sizes-above-the-extraction': ('data_curve', ['demo', 'demo', 'sizes', '8,100', 'out', 'out'],
@@ -83,6 +88,9 @@ BAD = {
     'tree_budget-budget-above-the-bound': ('tree_budget', ['drafter', 'drafter', 'budgets', '16,100000', 'out', 'out'],
                                            ['budgets=100000: a DDTree budget is a number of nodes in 0..1024'], fake_drafter),
     'tree_budget-no-drafter': ('tree_budget', ['out', 'out'], ['drafter: None is not a drafter checkpoint'], None),
+    'served_vocab-no-train': ('served_vocab', ['rounds', 2], ["train: give a run's folder"], None),
+    'served_vocab-no-served-form': ('served_vocab', ['train', '.'], ['drafter-vocab is not a drafter: a run with train_vocab publishes both'], fake_drafter),
+    'served_vocab-n_max-above-the-block': ('served_vocab', ['train', '.', 'n_max', 9], ['n_max: 9 is more than this drafter drafts (7)'], fake_served),
     'tree_budget-lone-temperature': ('tree_budget', ['drafter', 'drafter', 'temperatures', '0.0001', 'out', 'out'],     # a number, not a string
                                      ["temperatures: ['0.0001']: 0, or at least 0.001"], fake_drafter)}
 

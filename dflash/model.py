@@ -405,7 +405,7 @@ def _propose(self, context_hidden, last_token, start_pos=None, cache=None, tempe
 def _tree_scale(self, n, device=None):
     """[n] divisors of the scores a tree ranks at depths 1..n: the drafter's `tree_temperatures` (fitted for its trees by `treecal.ipynb`,
     read beside the weights), else ones. Chains never read them, nor a tree at T > 0 (it grows from the sampler's warp)."""
-    if problem := getattr(self, 'tree_temperatures_problem', None): raise ValueError(problem)   # a broken file beside the weights
+    if problem := getattr(self, 'tree_temperatures_problem', None): raise ValueError(problem)   # a broken file beside the weights (load_drafter)
     T = getattr(self, 'tree_temperatures', None)
     if T is None: return torch.ones(n, device=device)
     T = torch.as_tensor(T, dtype=torch.float32, device=device)
@@ -445,4 +445,4 @@ def _tree_expander(self, h, roots, k, chunk=1024):
 
 DFlashDraftModel.propose, DFlashDraftModel.propose_sampled, DFlashDraftModel.tree_children, DFlashDraftModel.tree_expander = (
     _propose, _propose_sampled, _tree_children, _tree_expander)
-DFlashDraftModel.tree_scale, DFlashDraftModel.tree_temperatures = _tree_scale, None
+DFlashDraftModel.tree_scale, DFlashDraftModel.tree_temperatures, DFlashDraftModel.tree_temperatures_problem = _tree_scale, None, None

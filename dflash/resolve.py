@@ -32,7 +32,7 @@ from .recipe import TrainConfig, SLIDING, FULL, layer_type_list, rank_device
 from .dist import batch_bytes
 from .balance import auto_split
 from .checkpoint import latest_checkpoint, adopt_checkpoint, _resume_changes
-from .release import engine_runs, check_engine_env
+from .release import engine_runs
 
 # %% ../nbs/resolve.ipynb #b15f8912
 def init_config(path):
@@ -363,7 +363,7 @@ def resolve(cfg):
     out = claim_out(Path(cfg.out).resolve(), cfg); cfg.out = str(out)
     tcfg, ck, st, changed, earlier = _settings(cfg, out)
     if cfg.engine_profile: profile_lengths(read_profile(cfg.engine_profile), cfg.block_size - DESIGNS[cfg.arch].first_slot)   # it predicts at a length drafted
-    servable, engine = _servable(cfg, tcfg), check_engine_env(cfg, tcfg)   # llama.cpp's environment too, before anything is written
+    servable, engine = _servable(cfg, tcfg), engine_runs(cfg, tcfg)   # llama.cpp's environment too, before anything is written
     out.mkdir(parents=True, exist_ok=True)
     if cfg.online: cfg.data = str(Path(prepared(cfg.data, cfg.target, out, cfg.max_length)).resolve())
     else: cfg.extracted = str(Path(cfg.extracted).resolve())

@@ -7,7 +7,7 @@ __all__ = ['GRID', 'tempered', 'labelled_blocks', 'tree_accepted', 'fit_tree_tem
            'treecal_job', 'treecal_cli']
 
 # %% ../nbs/treecal.ipynb #8ac6a1db
-import json, math, os, tempfile, warnings
+import json, math, tempfile
 from dataclasses import dataclass
 from contextlib import contextmanager
 from pathlib import Path
@@ -159,12 +159,8 @@ def treecal_job(*args, **kw):
     except OSError as e:
         raise PermissionError(f'drafter: {job.drafter} is not writable ({e.strerror}): the fitted temperatures go there ({TREE_T_FILE}), '
                               'beside the weights they belong to; copy the drafter somewhere writable') from None
-    try: read_tree_temperatures(job.drafter); broken = False
-    except ValueError as e: broken = True; print(f'{e}: the fit replaces it', flush=True)
-    with warnings.catch_warnings():
-        if broken: warnings.filterwarnings('ignore', message='.*not a tree-temperature file')     # said just above
-        m = load_drafter(job.drafter, load_target(job.target, dtype=torch.float32))
-    m.tree_temperatures_problem = None                               # its trees grow at temperature 1 until the fit
+    m = load_drafter(job.drafter, load_target(job.target, dtype=torch.float32))   # a broken temperatures file: a warning there
+    if m.tree_temperatures_problem: print('the fit replaces the broken file', flush=True); m.tree_temperatures_problem = None
     rec = calibrate_tree(m, job.extracted, job.budget, [int(b) for b in job.budgets.split(',')], job.max_blocks, max_samples=job.max_samples,
                          seed=job.seed, sweeps=job.sweeps, min_z=job.min_z, progress=True)
     f = write_tree_temperatures(job.drafter, **rec)

@@ -20,7 +20,7 @@ export PYTHONHASHSEED := 0
 # DFLASH_DEVICE=cpu: the tests check the CPU's arithmetic, also on a GPU box (`make gpu-check` is the GPU's).
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE DFLASH_DEVICE=cpu
 
-.PHONY: setup demo real-demo test test-all test-slow test-nbs test-py check-sync docs browser readme bench chaos gpu-check clean-venv vllm-check
+.PHONY: setup demo real-demo test test-all test-slow test-nbs test-py check-sync docs browser readme bench chaos gpu-check clean-venv vllm-check peers peers-venvs
 setup: $(STAMP)
 
 $(STAMP): settings.ini setup.py Makefile
@@ -116,6 +116,32 @@ vllm-check:
 	@# torchvision as pip resolves it does not fit this torch (torchvision::nms is missing) and text models do not need it
 	HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 OMP_NUM_THREADS=2 LD_PRELOAD=$$(ls $(VLLM_VENV)/lib/libiomp5.so 2>/dev/null) \
 	  $(VLLM_VENV)/bin/python tools/vllm_check.py $(DRAFTER) $(VLLM_ARGS)
+
+# The trainers users would pick instead, side by side with dflash on the real demo's data (nbs/experiments/peers.ipynb): SpecForge and
+# speculators, each in a venv of its own (never in .venv), with the torch tested here. Each is installed without the packages
+# offline training never imports (sglang, vLLM, torchvision): those pins would replace this torch. PEERS_ARGS: papermill parameters.
+SPECFORGE ?= specforge==0.2.0
+SPECULATORS ?= speculators==0.9.0 hs-connectors==0.9.0
+SF_VENV ?= .venv-specforge
+SP_VENV ?= .venv-speculators
+peers-venvs:
+	@if [ ! -f $(SF_VENV)/.installed ]; then rm -rf $(SF_VENV) && python3 -m venv $(SF_VENV) && \
+	  $(SF_VENV)/bin/pip install -q $(TORCH) && echo '$(TORCH)' > $(SF_VENV)/constraints.txt && \
+	  $(SF_VENV)/bin/pip install -q --no-deps $(SPECFORGE) && \
+	  $(SF_VENV)/bin/pip install -q -c $(SF_VENV)/constraints.txt 'transformers==5.8.1' accelerate pydantic pyyaml safetensors huggingface_hub numpy tqdm psutil && \
+	  $(SF_VENV)/bin/python -c 'import specforge.cli, torch, transformers; print("specforge venv: torch", torch.__version__, "transformers", transformers.__version__)' && \
+	  touch $(SF_VENV)/.installed; fi
+	@if [ ! -f $(SP_VENV)/.installed ]; then rm -rf $(SP_VENV) && python3 -m venv $(SP_VENV) && \
+	  $(SP_VENV)/bin/pip install -q $(TORCH) && echo '$(TORCH)' > $(SP_VENV)/constraints.txt && \
+	  $(SP_VENV)/bin/pip install -q --no-deps $(SPECULATORS) && \
+	  $(SP_VENV)/bin/pip install -q -c $(SP_VENV)/constraints.txt 'transformers==5.19.0' 'datasets==5.1.0' loguru pydantic-settings pydantic safetensors \
+	    huggingface_hub numpy tqdm pyyaml packaging openai httpx typer rich protobuf psutil click && \
+	  $(SP_VENV)/bin/python -c 'import speculators.train.cli, torch, transformers; print("speculators venv: torch", torch.__version__, "transformers", transformers.__version__)' && \
+	  touch $(SP_VENV)/.installed; fi
+
+peers: setup peers-venvs
+	mkdir -p runs
+	$(BIN)/papermill nbs/experiments/peers.ipynb runs/peers.ipynb --cwd nbs/experiments $(PEERS_ARGS)
 
 # Interrupt extraction and training at random moments (SIGKILL, SIGTERM, a full disk, a rank dying), resume, and check
 # the result is identical to an uninterrupted run. `make test` runs one trial of each job.

@@ -98,8 +98,9 @@ def capture(model, input_ids, layers):
     return [got[i] for i in layers]
 
 def capture_gap(stored, fresh):
-    "The largest gap of the stored bf16 `stored` to `fresh` (float32) in units of bf16's spacing at `fresh`'s magnitude."
-    ulp = torch.finfo(torch.bfloat16).eps * fresh.abs().clamp_min(1e-3)
+    """The largest gap of the stored bf16 `stored` to `fresh` (float32) in bf16 spacings: at each value's magnitude, or at its row's RMS
+    where the value is smaller (a value near zero, computed two ways, differs by the rounding of the row's larger terms)."""
+    ulp = torch.finfo(torch.bfloat16).eps * torch.maximum(fresh.abs(), fresh.pow(2).mean(-1, keepdim=True).sqrt())
     return float(((stored.float() - fresh) / ulp).abs().max())
 
 # %% ../nbs/peers.ipynb #431ccc05

@@ -91,6 +91,9 @@ BAD = {
     'served_vocab-no-train': ('served_vocab', ['rounds', 2], ["train: give a run's folder"], None),
     'served_vocab-no-served-form': ('served_vocab', ['train', '.'], ['drafter-vocab is not a drafter: a run with train_vocab publishes both'], fake_drafter),
     'served_vocab-n_max-above-the-block': ('served_vocab', ['train', '.', 'n_max', 9], ['n_max: 9 is more than this drafter drafts (7)'], fake_served),
+    'peers-unknown-cell': ('peers', ['cells', 'dflash,eagle3', 'out', 'out'], ["cells: ['eagle3'] unknown; known: dflash, specforge-recipe"], None),
+    'peers-probe-as-long-as-the-run': ('peers', ['wall_s', 100, 'probe_s', 100, 'out', 'out'], ['probe_s: 100', 'must be less than wall_s'], None),
+    'peers-seeds': ('peers', ['seeds', '0,one', 'out', 'out'], ["seeds: '0,one' is not a comma-separated list of integers"], None),
     'tree_budget-lone-temperature': ('tree_budget', ['drafter', 'drafter', 'temperatures', '0.0001', 'out', 'out'],     # a number, not a string
                                      ["temperatures: ['0.0001']: 0, or at least 0.001"], fake_drafter)}
 

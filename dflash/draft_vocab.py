@@ -78,8 +78,8 @@ def label_coverage(xds, ids):
     import numpy as np
     hit = n = 0
     for j in range(len(xds.manifest['shards'])):
-        f = xds._file(j)
-        labels = f.get_tensor('input_ids').numpy()[f.get_tensor('loss_mask').numpy().astype(bool)]
+        t = xds.shard_index(j, ('input_ids', 'loss_mask'))[0]
+        labels = t['input_ids'][t['loss_mask'].astype(bool)]
         hit, n = hit + int(np.isin(labels, np.asarray(ids)).sum()), n + len(labels)
     return hit / max(n, 1)
 

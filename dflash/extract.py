@@ -6,14 +6,14 @@
 __all__ = ['HostRing', 'to_host', 'find_token_budget', 'Extractor', 'plan_batches', 'ExtractConfig', 'extract', 'extract_cli']
 
 # %% ../nbs/extract.ipynb #f902216b
-import ctypes, json, os, queue, signal, threading, time, traceback
+import ctypes, hashlib, json, os, queue, signal, threading, time, traceback
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 import torch
-from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, data_param, out_param, run_cli, claim_out
+from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, data_param, out_param, run_cli, claim_out, cache_dir
 from .taps import (capture, check_finite, pad_batch, text_config, check_layer_ids, default_layer_ids, parse_dtype, dtype_name, peak_mem_bytes,
                          load_target, load_target_config, target_name, config_sha256, weights_sha256)
 from .data import TokenizedDataset, prepared, other_dataset
@@ -21,7 +21,8 @@ from .batching import token_budget_batches, split_batches, DEFAULT_TOKEN_BUDGET,
 from .metrics import Monitor, plot_throughput
 from .track import Trackers, check_trackers, report_to_param
 from .shards import (ShardWriter, ExtractedDataset, open_out, read_manifest, update_manifest, shard_sample_ids, run_lock,
-                           quantize_fp8)
+                           quantize_fp8, open_store, Mirror, StagingRoom, MANIFEST, _totals)
+from .store import Store, is_url
 
 # %% ../nbs/extract.ipynb #679a5e28
 class HostRing:
@@ -197,8 +198,8 @@ def plan_batches(lengths, token_budget, max_batch_size=DEFAULT_MAX_BATCH_SIZE, d
     return split_batches(todo[::-1], lengths, world_size)
 
 # %% ../nbs/extract.ipynb #a84fc796
-def _run_worker(rank, cfg, batches, report, model=None):
-    "One worker: load the target (unless given), then extract `batches` into shards of `cfg['out']`."
+def _run_worker(rank, cfg, batches, report, model=None, failed=lambda: None):
+    "One worker: load the target (unless given), then extract `batches` into shards of `cfg['out']` (a staging folder within `staging_limit` bytes)."
     if cfg.get('threads'): torch.set_num_threads(cfg['threads'])
     device = torch.device(cfg['device'])
     if device.type == 'cuda': torch.cuda.set_device(device)
@@ -207,7 +208,8 @@ def _run_worker(rank, cfg, batches, report, model=None):
     elif next(model.parameters()).dtype != dt: raise ValueError(f"model= is in {next(model.parameters()).dtype}, the run's dtype is {dt}")
     ds = TokenizedDataset.load(cfg['dataset'])
     meta = dict(layer_ids=json.dumps(cfg['layer_ids']), target=cfg['target_name'], rank=str(rank))
-    with ShardWriter(cfg['out'], rank, cfg['shard_bytes'], cfg['write_queue'], meta) as writer:
+    room = StagingRoom(cfg['out'], cfg['staging_limit'], failed) if cfg.get('staging_limit') else None
+    with ShardWriter(cfg['out'], rank, cfg['shard_bytes'], cfg['write_queue'], meta, room) as writer:
         ex = Extractor(model, ds, cfg['layer_ids'], writer, cfg['budget'], cfg['store_dtype'], cfg['mem_limit_tokens'], report, rank,
                        final=cfg.get('final_hidden', False))
         if cfg['auto'] and device.type == 'cuda':
@@ -233,8 +235,8 @@ def _worker_main(rank, cfg, batches, q, parent=None):
         q.put(dict(kind='error', rank=rank, error=f'{type(e).__name__}: {e}', traceback=traceback.format_exc()))
         raise SystemExit(1)
 
-def _run_processes(cfgs, parts, monitor):
-    "One spawned worker per config in `cfgs`; relay their reports to `monitor` until all are done. A failed or dead worker stops the job."
+def _run_processes(cfgs, parts, monitor, alive=lambda: None):
+    "One spawned worker per config in `cfgs`; relay their reports to `monitor` until all are done. A failed or dead worker (or `alive()` raising) stops the job."
     ctx = torch.multiprocessing.get_context('spawn')
     q = ctx.Queue()
     ranks = [r for r in range(len(cfgs)) if parts[r]]                   # a worker with no batches is not started
@@ -251,7 +253,7 @@ def _run_processes(cfgs, parts, monitor):
             try: handle(q.get(timeout=0.5))
             except queue.Empty: pass
             if time.time() - checked < 1: continue
-            checked = time.time()
+            checked = time.time(); alive()
             for r, p in procs.items():
                 if r in done or p.exitcode is None: continue
                 until = time.time() + 2   # its last messages may still be in the pipe
@@ -273,7 +275,8 @@ class ExtractConfig(Job):
     "Extract a target's tapped hidden states over tokenized conversations into resumable safetensors shards."
     target: str | None = target_param()
     data: str | None = data_param()
-    out: str | None = out_param('extract', 'shards, manifest.json, metrics.jsonl')
+    out: str | None = param(None, 'output directory (shards, manifest.json, metrics.jsonl), or an object store URL (s3://bucket/prefix, gs://..., '
+                            'file://...: shards staged locally, uploaded as they are written); None: runs/extract')
     gpus: int = param(0, '0: one CPU worker; N: one worker process per GPU', min=0)
     token_budget: int | str = param('auto', "padded tokens per batch, or 'auto' (probe the GPU's memory; CPU: 8192)", min=1)
     max_batch_size: int = param(DEFAULT_MAX_BATCH_SIZE, 'samples per batch at most', min=1)
@@ -293,6 +296,11 @@ class ExtractConfig(Job):
                               "the writer's queue need it; a larger batch is copied through pageable memory)", gt=0)
     workers: int | None = param(None, 'CPU worker processes (with gpus=0)', min=1)
     mem_limit_tokens: int | None = param(None, 'treat batches over this many padded tokens as out of memory (testing)', min=1)
+    staging_dir: str | None = param(None, 'out=URL: the local folder shards wait in until the store holds them; None: $DFLASH_CACHE/staging/<URL hash>')
+    staging_disk_gb: float = param(16.0, 'out=URL: local disk the staged shards may take, GiB at most (a worker waits for uploads beyond it); '
+                                   'at least one shard per worker and one more', gt=0)
+    uploads: int = param(2, 'out=URL: shards uploaded at once', min=1)
+    store_retries: int = param(8, 'out=URL: retries of a failed store call (backoff from 0.5 s, doubling to 30 s): about 2.5 min of outage', min=0)
     log_every: float = param(2.0, 'seconds between metrics.jsonl lines', min=0)
     progress: bool = param(True, 'show a progress bar')
     report_to: str = report_to_param()
@@ -305,6 +313,12 @@ class ExtractConfig(Job):
         if self.out is None: self.set('out', str(RUNS / 'extract'), 'default')
         if not Path(self.data).exists(): raise FileNotFoundError(f'data: no such file or directory: {self.data}')
         if self.gpus and self.workers and self.workers != self.gpus: raise ValueError(f'workers={self.workers} with gpus={self.gpus}: workers is for CPU runs')
+        if is_url(self.out):
+            if self.overwrite: raise ValueError(f'overwrite=True with out={self.out}: a store is not set aside; extract into another URL, or delete that one')
+            need = ((self.gpus or self.workers or 1) + 1) * self.shard_mb / 1024
+            if self.staging_disk_gb < need:
+                raise ValueError(f'staging_disk_gb={self.staging_disk_gb}: {self.gpus or self.workers or 1} workers writing {self.shard_mb:g} MiB shards '
+                                 f'need {need:.3g} GiB of staging at least (a shard each being written, one uploading)')
         check_trackers(self.report_to)
         return self
 
@@ -316,6 +330,10 @@ def _header(job, config, ds, dt, store):
                 dtype='float8_e4m3fn' if store == 'fp8' else store or dtype_name(dt), compute_dtype=dtype_name(dt),
                 dataset_sha256=ds.fingerprint(), tokenizer_sha256=ds.meta.get('tokenizer_sha256'), num_target_layers=tc.num_hidden_layers,
                 hidden_size=tc.hidden_size, dataset=str(ds.path), final_hidden=bool(job.final_hidden))
+
+def _staging(job, store):
+    "The local folder an extraction into `store` stages its shards in: `staging_dir`, else one of `$DFLASH_CACHE/staging` named by the URL."
+    return Path(job.staging_dir) if job.staging_dir else cache_dir() / 'staging' / hashlib.sha256(store.url.encode()).hexdigest()[:16]
 
 @contextmanager
 def _sigterm_stops():
@@ -332,12 +350,14 @@ def extract(*args, model=None, **kw):
     if model is not None and (job.gpus > 1 or (job.workers or 1) > 1): raise ValueError('model= (an already loaded target) is for single-worker runs')
     if job.gpus and job.gpus > torch.cuda.device_count():
         raise RuntimeError(f'gpus={job.gpus}, but torch sees {torch.cuda.device_count()} CUDA devices')
-    t0, out = time.time(), claim_out(job.out, job); out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    store = Store(job.out, retries=job.store_retries).check() if is_url(job.out) else None   # a bad URL or credentials: told before any work
+    out = claim_out(_staging(job, store) if store else job.out, job); out.mkdir(parents=True, exist_ok=True)
     print(job.announce())
     with run_lock(out), _sigterm_stops():
         n_workers = job.gpus or job.workers or 1
         dt = parse_dtype(job.dtype, job.gpus > 0)
-        store = None if job.store_dtype is None else 'fp8' if job.store_dtype == 'fp8' else dtype_name(parse_dtype(job.store_dtype))
+        store_dt = None if job.store_dtype is None else 'fp8' if job.store_dtype == 'fp8' else dtype_name(parse_dtype(job.store_dtype))
         config = load_target_config(job.target)
         L = text_config(config).num_hidden_layers
         if job.layer_ids is None: job.set('layer_ids', default_layer_ids(L, job.num_draft_layers), f'the DFlash rule for {job.num_draft_layers} drafter layers')
@@ -347,38 +367,53 @@ def extract(*args, model=None, **kw):
                              'or choose another out')
         ds = TokenizedDataset.load(prepared(job.data, job.target, out, job.max_length))
         if not len(ds): raise ValueError(f'data: {job.data} holds no samples (the prepared dataset {ds.path} is empty): nothing to extract')
-        m = open_out(out, _header(job, config, ds, dt, store), job.overwrite)
+        head = _header(job, config, ds, dt, store_dt)
+        m = open_store(store, out, head) if store else open_out(out, head, job.overwrite)
         job.save(out / 'config.json')
+        if store: store.upload(out / 'config.json', 'config.json')
         n = len(ds) if job.max_samples is None else min(job.max_samples, len(ds))
         lengths = np.asarray(ds.lengths[:n], dtype=np.int64)
         auto = job.token_budget == 'auto'
         budget = (DEFAULT_TOKEN_BUDGET if not job.gpus else 1 << 18) if auto else job.token_budget   # GPU 'auto': workers probe and cut
-        done = set(shard_sample_ids(out, m).tolist())
+        done = set(shard_sample_ids(out, m, store).tolist())
         parts = plan_batches(lengths, budget, job.max_batch_size, done, n_workers)
         todo = [b for p in parts for b in p]
         cfg = dict(out=str(out), target=target_name(job.target), target_name=target_name(job.target), dataset=str(ds.path),
-                   layer_ids=job.layer_ids, compute_dtype=dtype_name(dt), store_dtype=store, budget=budget, auto=auto, final_hidden=job.final_hidden,
+                   layer_ids=job.layer_ids, compute_dtype=dtype_name(dt), store_dtype=store_dt, budget=budget, auto=auto, final_hidden=job.final_hidden,
                    mem_limit_tokens=job.mem_limit_tokens, shard_bytes=int(job.shard_mb * 2**20), write_queue=job.write_queue,
-                   staging_bytes=int(job.staging_gb * 2**30),
+                   staging_bytes=int(job.staging_gb * 2**30), staging_limit=int(job.staging_disk_gb * 2**30) if store else None,
                    threads=max(1, torch.get_num_threads() // n_workers) if not job.gpus and n_workers > 1 else None)
         tr = Trackers(job.report_to if todo else 'none', out, config=job.to_dict(), resume=not job.overwrite, resume_step=len(done))
-        mon, ok = Monitor(out, sum(map(len, todo)), int(sum(lengths[b].sum() for b in todo)), job.log_every, job.progress, tr, len(done)), False
+        mirror = Mirror(store, out, job.uploads) if store else None      # uploads each shard as it is written (a store)
+        mon = Monitor(out, sum(map(len, todo)), int(sum(lengths[b].sum() for b in todo)), job.log_every, job.progress, tr, len(done),
+                      upload=mirror.status if mirror else None)
+        report, ok = (lambda msg: (mirror.check(), mon(msg))) if mirror else mon, False
         try:
-            if todo and n_workers == 1: _run_worker(0, dict(cfg, device='cuda:0' if job.gpus else 'cpu'), parts[0], mon, model)
-            elif todo: _run_processes([dict(cfg, device=f'cuda:{r}' if job.gpus else 'cpu') for r in range(n_workers)], parts, mon)
+            if todo and n_workers == 1: _run_worker(0, dict(cfg, device='cuda:0' if job.gpus else 'cpu'), parts[0], report, model, lambda: mirror and mirror.error)
+            elif todo: _run_processes([dict(cfg, device=f'cuda:{r}' if job.gpus else 'cpu') for r in range(n_workers)], parts, report,
+                                      mirror.check if mirror else lambda: None)
+            if mirror: mirror.drain()                                    # every staged shard in the store, checked
             ok = True
-        finally: mon.close(); tr.close(ok)
-        uniq, counts = np.unique(shard_sample_ids(out, read_manifest(out)), return_counts=True)
-        if (counts > 1).any(): raise RuntimeError(f'{out}: sample {uniq[counts > 1][0]} was written twice')
+        finally:
+            if mirror: mirror.close(wait=ok)
+            mon.close(); tr.close(ok)
+        final = mirror.m if store else read_manifest(out)
+        uniq, counts = np.unique(shard_sample_ids(out, final, store), return_counts=True)
+        if (counts > 1).any(): raise RuntimeError(f'{job.out}: sample {uniq[counts > 1][0]} was written twice')
         requested = bool(np.isin(np.arange(n), uniq).all())
-        m = update_manifest(out, lambda m: m.update(complete=requested, requested_samples=n, dataset_samples=len(ds)))
+        if store:
+            m = _totals(dict(final, complete=requested, requested_samples=n, dataset_samples=len(ds)))
+            store.write_json(MANIFEST, m)
+            for f in ('config.json', 'metrics.jsonl'): store.upload(out / f, f)
+        else: m = update_manifest(out, lambda m: m.update(complete=requested, requested_samples=n, dataset_samples=len(ds)))
         el = time.time() - t0
         if requested and n < len(ds): print(f'{out}: the first {n} of {len(ds)} samples extracted, as max_samples={job.max_samples} asked: complete')
-        return dict(out=str(out), complete=m['complete'], num_samples=m['num_samples'], num_tokens=m['num_tokens'], layer_ids=job.layer_ids,
+        return dict(out=store.url if store else str(out), complete=m['complete'], num_samples=m['num_samples'], num_tokens=m['num_tokens'], layer_ids=job.layer_ids,
                     skipped=len(done), samples=mon.samples, tokens=mon.tokens, seconds=el, samples_per_s=mon.samples / el,
                     tokens_per_s=mon.tokens / el, padding_efficiency=mon.tokens / mon.padded if mon.padded else 1.0, batches=mon.batches,
                     ooms=[e for e in mon.events if e['kind'] == 'oom'], token_budget=budget, budgets=mon.budgets,
-                    peak_mem_bytes=max(mon.peak.values(), default=0), workers=n_workers)
+                    peak_mem_bytes=max(mon.peak.values(), default=0), workers=n_workers,
+                    **(dict(staging=str(out), **mirror.status(), staging_peak_bytes=mirror.peak) if mirror else {}))
 
 # %% ../nbs/extract.ipynb #91f0ecbd
 def extract_cli(argv=None):

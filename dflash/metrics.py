@@ -19,9 +19,10 @@ TREE_CALIBRATION = 'tree_calibration.jsonl'    # the held-out trees' calibration
 
 # %% ../nbs/metrics.ipynb #f2ac16f4
 class Monitor:
-    "Parent-side progress: one tqdm bar over all workers, `metrics.jsonl` every `log_every` s, and the run's totals."
-    def __init__(self, out, total_samples, total_tokens, log_every=2.0, progress=True, trackers=None, step0=0):
-        self.path, self.log_every, self.trackers, self.step0 = Path(out) / 'metrics.jsonl', log_every, trackers, step0
+    """Parent-side progress: one tqdm bar over all workers, `metrics.jsonl` every `log_every` s, and the run's totals. `upload` (an
+    extraction into a store): a callable giving the uploads' status (upload_queue, staged_bytes, upload_MBps, ...), shown and logged."""
+    def __init__(self, out, total_samples, total_tokens, log_every=2.0, progress=True, trackers=None, step0=0, upload=None):
+        self.path, self.log_every, self.trackers, self.step0, self.upload = Path(out) / 'metrics.jsonl', log_every, trackers, step0, upload
         self.total_samples, self.total_tokens = total_samples, total_tokens
         self.samples = self.tokens = self.padded = 0
         self.batches, self.peak, self.queue, self.events, self.budgets = [], {}, {}, [], {}
@@ -34,7 +35,9 @@ class Monitor:
         if kind == 'batch':
             self.samples += msg['samples']; self.tokens += msg['tokens']; self.padded += msg['padded']
             self.batches.append(msg['batch']); self.peak[r] = max(self.peak.get(r, 0), msg['peak_mem']); self.queue[r] = msg['write_queue']
-            self.bar.set_postfix_str(f'{self.tokens / max(time.time() - self.t0, 1e-9):.0f} tokens/s', refresh=False)
+            up = '' if self.upload is None else ', upload queue {upload_queue}, staged {staged_bytes_mb:.0f} MiB, {upload_MBps:.1f} MB/s'.format(
+                **(u := self.upload()), staged_bytes_mb=u['staged_bytes'] / 2**20)
+            self.bar.set_postfix_str(f'{self.tokens / max(time.time() - self.t0, 1e-9):.0f} tokens/s{up}', refresh=False)
             self.bar.update(msg['samples'])
         elif kind in ('oom', 'budget'):
             self.events.append(msg); append_jsonl(self.path, dict(event=kind, **msg))
@@ -51,7 +54,8 @@ class Monitor:
                     padding_efficiency=self.tokens / self.padded if self.padded else 1.0,
                     batch_size_mean=float(np.mean([len(b) for b in self.batches])) if self.batches else 0.0,
                     eta_s=(self.total_tokens - self.tokens) / rate if rate else None,
-                    peak_mem_bytes=max(self.peak.values(), default=0), write_queue=sum(self.queue.values()))
+                    peak_mem_bytes=max(self.peak.values(), default=0), write_queue=sum(self.queue.values()),
+                    **(self.upload() if self.upload is not None else {}))
 
     def log(self):
         m = self.metrics(); append_jsonl(self.path, m)

@@ -17,6 +17,7 @@ from .validate import tree_budgets, check_best_by
 from .tree import check_tree_budget
 from .speedup import read_profile
 from .model import SLIDING, FULL
+from .store import Store, is_url
 
 # %% ../nbs/recipe.ipynb #a868ef88
 # The published recipe, for a real target. Sources: SpecForge (sgl-project/SpecForge) scripts/train_dflash.py defaults
@@ -41,6 +42,11 @@ DEMO = dict(num_layers=1, block_size=16, num_anchors=16, lr=3e-3, warmup=0.05, m
             max_length=2048, epochs=2.0, token_budget=1024, eval_prompts=8, eval_max_new_tokens=64, eval_every=100, val_samples=64,
             loss='decay', eval_tree_budget=0)
 
+def _has_manifest(p):
+    "Does the extraction `p` (a folder, or a store URL: asked now, a clear error if the store cannot answer) have its manifest?"
+    if not is_url(p): return (Path(p) / 'manifest.json').exists()
+    return Store(p, retries=3).read_json('manifest.json') is not None
+
 @dataclass
 class TrainConfig(Job):
     "Train a DFlash drafter: online (target ranks feed drafter ranks) or offline (from an extraction)."
@@ -48,7 +54,10 @@ class TrainConfig(Job):
     target: str | None = target_param()
     data: str | None = data_param(needs=(lambda c: c.online, 'online training (no extracted)'))
     out: str | None = out_param('train', 'metrics.jsonl, checkpoints/, drafter/, PNGs')
-    extracted: str | None = param(None, 'an extraction directory: train offline from it')
+    extracted: str | None = param(None, 'an extraction directory, or its object store URL (s3://bucket/prefix, ...): train offline from it')
+    cache_dir: str | None = param(None, 'extracted=URL: the local folder shards are cached in ahead of use, a folder per drafter rank; None: '
+                                  '$DFLASH_CACHE/store-cache')
+    cache_gb: float = param(16.0, "extracted=URL: local disk each drafter rank's shard cache may take, GiB (at least one micro-batch's shards)", gt=0)
     targets: int | str = param(2, "target ranks (online); 'auto': measure both sides and split `ranks` between them", min=1,
                                needs=(lambda c: c.online, 'online training (no extracted)'))
     drafters: int = param(1, 'drafter ranks (data parallel among themselves)', min=1)
@@ -207,13 +216,13 @@ class TrainConfig(Job):
             if self.engine_profile != 'gpu': self.engine_profile = str(Path(self.engine_profile).resolve())
         check_best_by(self.best_by, self.val_tree_budgets, self.engine_profile)
         self._check_validation()
-        if self.val_extracted is not None and not (Path(self.val_extracted) / 'manifest.json').exists():
+        if self.val_extracted is not None and not _has_manifest(self.val_extracted):
             raise FileNotFoundError(f'val_extracted: {self.val_extracted} is not an extraction (no manifest.json)')
         if self.out is None: self.set('out', str(RUNS / 'train'), 'default')
         if self.layer_types is not None: self.layer_types = ','.join(layer_type_list(self.layer_types))   # one spelling
         if self.init_from is not None: self.init_from = str(Path(self.init_from).resolve())
         if self.online and not Path(self.data).exists(): raise FileNotFoundError(f'data: no such file or directory: {self.data}')
-        if not self.online and not (Path(self.extracted) / 'manifest.json').exists():
+        if not self.online and not _has_manifest(self.extracted):
             raise FileNotFoundError(f'extracted: {self.extracted} is not an extraction (no manifest.json)')
         if self.resume and self.overwrite:
             raise ValueError('resume=True continues the run in out; overwrite=True sets it aside and starts a new one: give one of them')

@@ -19,6 +19,7 @@ from .taps import (text_config, load_target_config, target_name, target_revision
 from .data import TokenizedDataset, prepared
 from .batching import Plan
 from .shards import ExtractedDataset, check_extraction
+from .store import is_url
 from .extract import extract
 from .publish import mask_token_choice
 from .model import DFlashConfig
@@ -140,10 +141,14 @@ def _training_sha(cfg, ds):
     "The fingerprint of the run's training data: of the tokenized dataset (online), as its extraction records it (offline)."
     return ds.fingerprint() if cfg.online else ds.manifest.get('dataset_sha256')
 
+def _place(p):
+    "Where an extraction is, as one spelling: a store URL as given, a folder resolved."
+    return str(p).rstrip('/') if is_url(p) else str(Path(p).resolve())
+
 def _not_training_data(cfg, ds):
     "Refuse a validation extraction that holds the training data (the same folder, or the same dataset's fingerprint)."
     v = ExtractedDataset(cfg.val_extracted)
-    same_dir = not cfg.online and Path(cfg.val_extracted).resolve() == Path(cfg.extracted).resolve()
+    same_dir = not cfg.online and _place(cfg.val_extracted) == _place(cfg.extracted)
     if same_dir or v.manifest.get('dataset_sha256') == _training_sha(cfg, ds):
         what = f'val_data: {cfg.val_data}, extracted into {cfg.val_extracted},' if cfg.val_data not in (None, 'none') else f'val_extracted: {cfg.val_extracted}'
         raise ValueError(f'{what} holds the training data (the same dataset, sha256 {_training_sha(cfg, ds)[:12]}): the best drafter would be '
@@ -160,7 +165,7 @@ def _validation(cfg, out, ds):
         cfg.set('val_extracted', str(out / 'val'), f'val_data, extracted into {out / "val"}')
         _not_training_data(cfg, ds)
     if cfg.val_extracted is not None:
-        cfg.val_extracted = str(Path(cfg.val_extracted).resolve())
+        cfg.val_extracted = _place(cfg.val_extracted)
         check_extraction(ExtractedDataset(cfg.val_extracted, require_complete=True), cfg.target, cfg.layer_ids)
 
 # %% ../nbs/resolve.ipynb #8b4682ec
@@ -232,10 +237,9 @@ def label_counts(cfg, vocab_size):
     xds = ExtractedDataset(cfg.extracted)
     trained = xds.sample_ids[:min(cfg.max_samples or len(xds), len(xds))]   # the samples the run trains on (`_load_data`)
     for j, s in enumerate(xds.manifest['shards']):
-        f = xds._file(j)
-        keep = np.repeat(np.isin(f.get_tensor('sample_ids').numpy(), trained), np.diff(f.get_tensor('cu_seqlens').numpy()))
-        keep &= f.get_tensor('loss_mask').numpy().astype(bool)
-        counts += np.bincount(f.get_tensor('input_ids').numpy()[keep], minlength=vocab_size)
+        t = xds.shard_index(j, ('sample_ids', 'cu_seqlens', 'loss_mask', 'input_ids'))[0]     # no hidden rows read (nor downloaded)
+        keep = np.repeat(np.isin(t['sample_ids'], trained), np.diff(t['cu_seqlens'])) & t['loss_mask'].astype(bool)
+        counts += np.bincount(t['input_ids'][keep], minlength=vocab_size)
     return counts
 
 def frequent_labels(cfg, vocab_size):
@@ -366,7 +370,7 @@ def resolve(cfg):
     servable, engine = _servable(cfg, tcfg), engine_runs(cfg, tcfg)   # llama.cpp's environment too, before anything is written
     out.mkdir(parents=True, exist_ok=True)
     if cfg.online: cfg.data = str(Path(prepared(cfg.data, cfg.target, out, cfg.max_length)).resolve())
-    else: cfg.extracted = str(Path(cfg.extracted).resolve())
+    else: cfg.extracted = _place(cfg.extracted)
     ds = TokenizedDataset.load(cfg.data) if cfg.online else check_extraction(ExtractedDataset(cfg.extracted), cfg.target, cfg.layer_ids)
     _check_data(cfg, ds); _target_distribution(cfg, ds); _check_queue(cfg, tcfg, ds)
     if earlier and not cfg.resume: print(f'the earlier run in {out} is now in {set_aside(out, RUN_FILES)}')

@@ -502,7 +502,7 @@ class Mirror:
         self.m = store.read_json(MANIFEST)
         self.listed, self.queued, self.stored, self.error = {s['file'] for s in self.m['shards']}, set(), [], None
         self.q, self.lock, self.mlock, self.stop = queue.Queue(), threading.Lock(), threading.Lock(), threading.Event()
-        self.uploaded = self.uploaded_bytes = 0; self.t0 = time.time()
+        self.uploaded = self.uploaded_bytes = self.peak = 0; self.t0 = time.time()
         self.threads = [threading.Thread(target=self._poll, name='dflash-mirror', daemon=True)] + [
             threading.Thread(target=self._upload, name=f'dflash-upload-{i}', daemon=True) for i in range(uploads)]
         for t in self.threads: t.start()
@@ -515,6 +515,7 @@ class Mirror:
                     if s['file'] not in self.listed and s['file'] not in self.queued and (self.staging / s['file']).exists():
                         self.queued.add(s['file']); self.q.put(s)
                 if time.time() - last >= self.flush_s: self.flush(); last = time.time()
+                self.peak = max(self.peak, staged_bytes(self.staging))
                 self.stop.wait(self.poll)
         except BaseException as e: self.error = self.error or e
 
@@ -560,11 +561,11 @@ def _mirror_drain(self):
         if lost: raise RuntimeError(f'{self.staging / lost[0]}: listed in staging, neither staged nor uploaded')
         time.sleep(self.poll)
 
-def _mirror_close(self):
-    "Stop the threads (uploads in progress finish first)."
+def _mirror_close(self, wait=True):
+    "Stop the threads: with `wait`, uploads in progress finish first (after an error, they are left to die with the process)."
     self.stop.set()
     for _ in self.threads[1:]: self.q.put(None)
-    for t in self.threads: t.join()
+    for t in self.threads: t.join(None if wait else 2.0)
 
 Mirror.status, Mirror.check, Mirror.drain, Mirror.close = _mirror_status, _mirror_check, _mirror_drain, _mirror_close
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from .core import Job, run_cli, write_json_atomic, append_jsonl
+from .core import Job, run_cli, write_json_atomic, append_jsonl, cache_dir
 from .taps import capture, check_finite, pad_batch, text_config, peak_mem_bytes, load_target
 from .data import TokenizedDataset
 from .batching import Plan, sources, served
@@ -71,9 +71,12 @@ def _backend(cfg, device):
     shared = cfg.device != 'auto' or local > torch.cuda.device_count()
     return 'nccl' if device.type == 'cuda' and not shared else 'gloo'
 
-def _load_data(cfg):
-    "`(lengths, dataset)` of the run: an extraction (offline, each shard's checksum checked on first use) or a tokenized dataset."
-    ds = TokenizedDataset.load(cfg.data) if cfg.online else ExtractedDataset(cfg.extracted, require_complete=True, verify=cfg.verify)
+def _load_data(cfg, rank=0):
+    """`(lengths, dataset)` of the run: an extraction (offline, each shard's checksum checked on first use; from a store, through a cache of
+    `cache_gb` in a folder of rank `rank`'s own) or a tokenized dataset."""
+    cache = Path(cfg.cache_dir or cache_dir() / 'store-cache') / f'{Path(cfg.out).name}-{hashlib.sha256(cfg.out.encode()).hexdigest()[:8]}' / f'rank-{rank}'
+    ds = TokenizedDataset.load(cfg.data) if cfg.online else ExtractedDataset(cfg.extracted, require_complete=True, verify=cfg.verify,
+                                                                             cache=cache, cache_gb=cfg.cache_gb)
     n = len(ds) if cfg.max_samples is None else min(cfg.max_samples, len(ds))
     return np.asarray(ds.lengths[:n]), ds
 
@@ -105,13 +108,14 @@ def run_rank(run, rank=0, world=1, local_rank=0, store=None):
         except Exception: pass
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)} if threading.current_thread() is threading.main_thread() else {}
     try:
-        lengths, ds = _load_data(cfg)
+        lengths, ds = _load_data(cfg, rank)
         plan = Plan(lengths, cfg.token_budget, cfg.max_batch_size, cfg.drafters, cfg.seed, cfg.grad_accum, cfg.epochs, cfg.max_steps)
         if plan.total_steps != run.plan['total_steps']:
             raise ValueError(f"rank {rank}: its plan has {plan.total_steps} steps, the run resolved {run.plan['total_steps']}: the data changed since")
         group = dist.new_group(list(range(T, world)), backend=_backend(cfg, device)) if world > 1 else None
         pg = dist.group.WORLD if world > 1 else None
         result = run_target(run, coord, rank, plan, ds, device, pg) if rank < T else run_drafter(run, coord, rank - T, plan, ds, device, group, pg, stop)
+        if not cfg.online: ds.close()             # an extraction's files (and a store's cached shards)
         coord.finished()
         return result
     except BaseException as e:

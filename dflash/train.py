@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from .core import Job, run_cli, write_json_atomic, append_jsonl, cache_dir
+from .core import Job, run_cli, write_json_atomic, append_jsonl, cache_dir as dflash_cache
 from .taps import capture, check_finite, pad_batch, text_config, peak_mem_bytes, load_target
 from .data import TokenizedDataset
 from .batching import Plan, sources, served
@@ -74,7 +74,7 @@ def _backend(cfg, device):
 def _load_data(cfg, rank=0):
     """`(lengths, dataset)` of the run: an extraction (offline, each shard's checksum checked on first use; from a store, through a cache of
     `cache_gb` in a folder of rank `rank`'s own) or a tokenized dataset."""
-    cache = Path(cfg.cache_dir or cache_dir() / 'store-cache') / f'{Path(cfg.out).name}-{hashlib.sha256(cfg.out.encode()).hexdigest()[:8]}' / f'rank-{rank}'
+    cache = Path(cfg.cache_dir or dflash_cache() / 'store-cache') / f'{Path(cfg.out).name}-{hashlib.sha256(cfg.out.encode()).hexdigest()[:8]}' / f'rank-{rank}'
     ds = TokenizedDataset.load(cfg.data) if cfg.online else ExtractedDataset(cfg.extracted, require_complete=True, verify=cfg.verify,
                                                                              cache=cache, cache_gb=cfg.cache_gb)
     n = len(ds) if cfg.max_samples is None else min(cfg.max_samples, len(ds))

@@ -548,7 +548,7 @@ def _mirror_check(self):
     if self.error is None: return self
     e = self.error
     err = RuntimeError(f'uploading to {self.store.url} stopped: {type(e).__name__}: {e}. The shards not uploaded are kept in {self.staging}; '
-                       f'{"free room in the store, then " if "full" in str(e) else ""}run the same command to resume')
+                       'run the same command to resume')
     raise err from e
 
 def _mirror_drain(self):

@@ -79,7 +79,8 @@ class Store:
             try: return fn(*args, **kw)
             except Exception as e:
                 kind = _kind(e)
-                if kind == 'full': raise StoreFull(f'{self.url}: the store is full ({what}: {_why(e)})') from e
+                if kind == 'full': raise StoreFull(f'{self.url}: the store is full ({what}: {_why(e)}): free room in it (or raise its quota), '
+                                                   'then run the same command') from e
                 if kind == 'permanent': raise
                 if attempt == n: raise StoreError(f'{self.url}: {what} failed {n + 1} times, the last with {_why(e)}') from e
                 self.retried += 1

@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['STORE_BYTES', 'HYBRID_27B_DEFAULT', 'meta_model', 'target_params', 'activation_bytes_per_token',
            'target_flops_per_token', 'drafter_flops_per_token', 'PlanConfig', 'drafter_bytes_per_token',
-           'head_chunk_bytes', 'draft_head_share', 'held_buffers', 'plan', 'buffers_line', 'show_plan', 'plan_cli']
+           'head_chunk_bytes', 'draft_head_share', 'held_buffers', 'store_needs', 'plan', 'buffers_line', 'store_line',
+           'show_plan', 'plan_cli']
 
 # %% ../nbs/plan.ipynb #3f16f36d
 import math
@@ -90,6 +91,11 @@ class PlanConfig(Job):
     staging_gb: float = param(4.0, "extraction: pinned host GiB per GPU worker at most (as ExtractConfig)", gt=0)
     write_queue: int = param(4, "extraction: batches waiting for the writer (as ExtractConfig)", min=1)
     draft_vocab: int = param(32768, "a drafter served with a vocabulary of its own of this many tokens (train_vocab): its head's share of a draft", min=1)
+    extract_samples_per_s: float = param(150.0, 'offline extraction into an object store: samples/s a GPU (the run users describe: 140-155), '
+                                         'for the upload bandwidth it needs', gt=0)
+    shard_mb: float = param(256.0, 'extraction: shard size in MiB (as ExtractConfig)', gt=0)
+    staging_disk_gb: float = param(16.0, 'extraction into a store: local staging disk, GiB (as ExtractConfig)', gt=0)
+    cache_gb: float = param(16.0, "training from a store: each drafter rank's shard cache, GiB (as TrainConfig)", gt=0)
 
     def check(self):
         if self.target is None: self.set('target', str(HYBRID_27B_DEFAULT), 'the shipped 64-layer hybrid config')
@@ -123,6 +129,17 @@ def held_buffers(job, H, n_taps, targets, drafters):
     q = min(credits * batch, job.q_gb * 2**30)
     return dict(batch_bytes=batch, queue_batches=int(q // batch), credit_batches=credits, queue_bytes=q, mask_bytes=job.mask_mb * 2**20)
 
+def store_needs(job, disk, drafters):
+    """An offline run through an object store: the upload bandwidth extraction needs on all `job.gpus` at `extract_samples_per_s` (bytes/s
+    by stored dtype), the staging it needs at least (a shard per worker and one uploading), and the shards a drafter rank's micro-batch
+    reads at `token_budget` in bf16 (the batch's bytes, plus a shard at each end), against `cache_gb`."""
+    tokens_s = job.extract_samples_per_s * job.gpus * job.mean_length
+    shard = job.shard_mb * 2**20
+    step = (math.ceil(job.token_budget * disk['bf16'] / shard) + 1) * shard
+    return dict(tokens_per_s=tokens_s, upload_bytes_per_s={k: tokens_s * v for k, v in disk.items()}, staging_min_bytes=(job.gpus + 1) * shard,
+                staging_bytes=job.staging_disk_gb * 2**30, cache_bytes=job.cache_gb * 2**30, cache_total_bytes=drafters * job.cache_gb * 2**30,
+                step_bytes=step, cache_ok=step <= job.cache_gb * 2**30, staging_ok=(job.gpus + 1) * shard <= job.staging_disk_gb * 2**30)
+
 def plan(*args, **kw):
     "The plan of a run (see `PlanConfig`): memory, token budget, disk, FLOPs and a target:drafter split, as a dict."
     job = args[0] if args and isinstance(args[0], Job) else PlanConfig(*args, **kw)
@@ -147,6 +164,7 @@ def plan(*args, **kw):
     rows = len(ids) + job.final_hidden                                            # the final state: a row of its own
     disk = {k: rows * tc.hidden_size * b + 5 + (4 * (1 + job.final_hidden) if k == 'fp8' else 0) for k, b in STORE_BYTES.items()}   # + id, mask (+ scales)
     staging = min(job.staging_gb * 2**30, (job.write_queue + 2) * max(budget, 1) * rows * tc.hidden_size * 2)   # extraction: bf16 rows
+    store = store_needs(job, disk, max(1, job.gpus - t))
     return dict(target=str(job.target), params=total, vocab_size=tc.vocab_size, layer_ids=ids, weights_gb=weights / gb, skippable_gb=2 * (sum(per_layer[max(reach) + 1:])) / gb,
                 fits=free > 0, activation_mb_per_1k_tokens=act * 1024 / 2**20, token_budget=budget, drafter_token_budget=dbudget,
                 drafter_params=drafter, drafter_rank_gb=drafter_mem / gb, disk_bytes_per_token=disk,
@@ -154,7 +172,7 @@ def plan(*args, **kw):
                 target_gflop_per_token=ft / 1e9, drafter_gflop_per_token=fd / 1e9, targets=t, drafters=max(1, job.gpus - t),
                 head_chunk_gb=head_chunk_bytes(dcfg) / gb, drafter_mb_per_1k_tokens=dact * 1024 / 2**20, buffers=dict(bufs, staging_bytes=staging),
                 head_share=dict(full=draft_head_share(dcfg, None, job.mean_length), served=draft_head_share(dcfg, min(job.draft_vocab, tc.vocab_size), job.mean_length)),
-                job=job.to_dict())
+                store=store, job=job.to_dict())
 
 def buffers_line(p):
     "What the ranks hold besides models and activations, each bounded by a setting."
@@ -163,6 +181,16 @@ def buffers_line(p):
             f"token_budget={j['token_budget']:,}; the credits allow {b['credit_batches']}, q_gb={j['q_gb']:g} holds the rest back), a flex mask's build "
             f"{b['mask_bytes'] / G:.1f} GiB (mask_mb), both in the drafter rank's figure; extraction's pinned staging {b['staging_bytes'] / G:.1f} GiB of host "
             f"memory a GPU worker (staging_gb), {j['gpus'] * b['staging_bytes'] / G:.1f} GiB for {j['gpus']}; compiled kernels' workspace is not bounded by a setting")
+
+def store_line(p):
+    "Offline through an object store: its size, the upload bandwidth at the planned rate, and the local staging and cache."
+    s, j, G = p['store'], p['job'], 2**30
+    up = ', '.join(f"{k} {v / 1e9:.2f} GB/s ({8 * v / 1e9:.1f} Gbit/s)" for k, v in s['upload_bytes_per_s'].items() if k != 'fp32')
+    return (f"offline through an object store (out=s3://...): {p['disk_tb']['bf16']:.1f} TB in bf16 ({p['disk_tb']['fp8']:.1f} TB fp8); extraction at "
+            f"{j['extract_samples_per_s']:g} samples/s a GPU on {j['gpus']} ({s['tokens_per_s'] / 1e3:,.0f}K tokens/s) uploads {up}; local disk: staging "
+            f"{s['staging_bytes'] / G:.0f} GiB (staging_disk_gb{'' if s['staging_ok'] else ', TOO SMALL'}; {s['staging_min_bytes'] / G:.1f} GiB at least "
+            f"with {j['shard_mb']:g} MiB shards), training's cache {s['cache_bytes'] / G:.0f} GiB a drafter rank, {s['cache_total_bytes'] / G:.0f} GiB in all "
+            f"(cache_gb{'' if s['cache_ok'] else ', TOO SMALL'}; a micro-batch reads up to {s['step_bytes'] / G:.1f} GiB of shards)")
 
 def show_plan(p):
     "The plan as an operator reads it."
@@ -178,7 +206,7 @@ def show_plan(p):
         'disk per token' + (" (the taps and the target's final state)" if j.get('final_hidden') else '') + ': ' + ', '.join(f"{k} {v / 1e3:.1f} KB" for k, v in p['disk_bytes_per_token'].items())
         + f"; for {j['dataset_tokens']:.3g} tokens: " + ', '.join(f"{k} {v:.2f} TB" for k, v in p['disk_tb'].items()),
         f"FLOPs per token of data: target {p['target_gflop_per_token']:.1f} G (to layer {max(p['layer_ids'])}), drafter {p['drafter_gflop_per_token']:.1f} G (training)",
-        buffers_line(p),
+        buffers_line(p), store_line(p),
         f"a drafted row's FLOPs when served: the head is {100 * p['head_share']['full']:.0f}% of them over the target's {p['vocab_size']:,} rows, "
         f"{100 * p['head_share']['served']:.0f}% over a vocabulary of its own of {min(j['draft_vocab'], p['vocab_size']):,} (train_vocab; draft_vocab.ipynb)",
         (f"one GPU: one target rank and one drafter rank share it (targets=1, drafters=1), the budget above counting both" if j['gpus'] == 1 else

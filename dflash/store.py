@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['is_url', 'StoreError', 'StoreFull', 'StoreCorrupt', 's3_etag', 'Store', 'read_tensors', 'cached_tensors',
-           'ShardCache']
+           'save_index', 'ShardCache']
 
 # %% ../nbs/store.ipynb #08663870
 import errno, hashlib, json, os, threading, time, uuid
@@ -223,17 +223,21 @@ def read_tensors(store, name, names, head=1 << 16):
 
 def cached_tensors(store, name, sha256, names, folder=None):
     "`read_tensors`, kept in `folder` (`$DFLASH_CACHE/store-index`) under the object's sha256: a shard's index is read from the store once."
-    folder = Path(folder or cache_dir() / 'store-index'); f = folder / f'{sha256}.npz'
+    f = Path(folder or cache_dir() / 'store-index') / f'{sha256}.npz'
     if f.exists():
         try:
             with np.load(f) as z:
                 if all(k in z for k in names): return {k: z[k] for k in names}, json.loads(str(z['__header__']))
         except Exception: f.unlink(missing_ok=True)           # a half-written cache file: read again
     out, h = read_tensors(store, name, names)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f'.{sha256}.{uuid.uuid4().hex[:8]}.npz'
-    np.savez(tmp, __header__=np.array(json.dumps(h)), **out); os.replace(tmp, f)
+    save_index(sha256, out, h, folder)
     return out, h
+
+def save_index(sha256, tensors, header, folder=None):
+    "Keep the small tensors `tensors` and the safetensors `header` of the object whose sha256 is `sha256` in the index cache."
+    folder = Path(folder or cache_dir() / 'store-index'); folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f'.{sha256}.{uuid.uuid4().hex[:8]}.npz'
+    np.savez(tmp, __header__=np.array(json.dumps(header)), **tensors); os.replace(tmp, folder / f'{sha256}.npz')
 
 # %% ../nbs/store.ipynb #ebf13d40
 class ShardCache:

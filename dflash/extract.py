@@ -394,6 +394,9 @@ def extract(*args, model=None, **kw):
                                       mirror.check if mirror else lambda: None)
             if mirror: mirror.drain()                                    # every staged shard in the store, checked
             ok = True
+        except BaseException:
+            if mirror is not None and mirror.error is not None: mirror.check()   # the uploads stopped first: that is the cause to tell
+            raise
         finally:
             if mirror: mirror.close(wait=ok)
             mon.close(); tr.close(ok)

@@ -357,6 +357,11 @@ class ExtractedDataset:
         "The reader is at micro-batch `k` of the `schedule`."
         if self.store: self.cache().at(k)
 
+    def stats(self):
+        "What reading cost: from a store, the cache's downloads, its peak bytes against its bound, the reader's waits; {} from a folder."
+        if self._cache is None: return {}
+        return dict(store_cache=dict(self._cache.stats(), max_bytes=self.cache_bytes))
+
     def close(self):
         "Close the shards' files (and delete a store's cached shards)."
         self._files = {}
@@ -620,3 +625,4 @@ class OfflineSource(Feeder):
                           sample_ids=[int(self.xds.sample_ids[j]) for j in batch], **({} if fin is None else dict(final_hidden=fin))))
 
     def consumed(self, item): self.release(item['nbytes'])
+    def stats(self): return self.xds.stats()

@@ -159,12 +159,10 @@ def _upload(self, local, name, sha256=None):
         info = self.fs.info(self.path(name))
         if info.get('size') != size: raise _Mismatch(f'{name}: the store holds {info.get("size")} bytes, the file has {size}')
         tag = _etag(info)
-        if want is not None and tag is not None:
-            if tag != want: raise _Mismatch(f'{name}: the store\'s ETag {tag}, the file\'s {want}')
-            return tag
-        got = self._hash(name)
+        if want is not None and tag == want: return tag
+        got = self._hash(name)                 # no ETag, or not an MD5 (a bucket encrypted with KMS keys): read back once
         if got != (sha256 or _sha256(local)): raise _Mismatch(f'{name}: the stored bytes differ from the file\'s')
-        return f'sha256:{got}'
+        return tag or f'sha256:{got}'
     if self.local: self.fs.makedirs(self.root, exist_ok=True)
     return self._call(f'upload {name}', put)
 

@@ -156,6 +156,7 @@ def run_drafter(run, coord, d, plan, ds, device, group, pg, stop):
         res = dict(step=trainer.step, total_steps=plan.total_steps, stopped=stopped, out=cfg.out)
         if stopped: coord.request_stop(stopped)
         if cfg.online: src.close()                              # a stop drains what the targets sent: nothing is in flight when ranks leave
+        else: res.update(src.stats())                           # from a store: its cache's downloads and peak bytes
         if d == 0 and not stopped:
             if not trainer.stepped: raise FloatingPointError(
                 f'drafter 0: the loss or the gradient was not finite at any of the run\'s {trainer.step} optimizer steps (each was skipped: the '

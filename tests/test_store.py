@@ -277,3 +277,23 @@ def test_train_from_store_is_bit_identical(s3, local, tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         runs[name] = [l['loss'] for l in map(json.loads, open(tmp_path / name / 'metrics.jsonl')) if 'loss' in l]
     assert len(runs['local']) == 4 and runs['local'] == runs['store'], runs
+    c = json.loads((tmp_path / 'store' / 'result.json').read_text())['store_cache']
+    assert 0 < c['peak'] <= c['max_bytes'] == int(0.01 * 2**30) and c['downloaded'] > 0, c       # the cache within its bound
+
+
+def test_killed_mid_upload_then_resume(s3, local):
+    "SIGKILL while a shard is on its way: the resume uploads what was staged, extracts the rest, and the store holds each sample once."
+    p = s3['proxy']; p.set('up', rate=2 << 20); began = p.shard_puts
+    url, stage = 's3://dflash-test/killed', s3['d'] / 'stage-killed'
+    cmd = [str(a) for a in [BIN / 'dflash_extract', '--out', url, *[x for k, v in ARGS.items() for x in ('--' + k.replace('_', '-'), v)],
+                            '--staging-dir', stage, '--no-progress']]
+    proc = subprocess.Popen(cmd, env=s3['env'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while p.shard_puts < began + 2 and time.time() < deadline: time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL); proc.wait(30)
+    finally: p.set('up')
+    assert proc.returncode == -signal.SIGKILL
+    code, s, err = extract_cli(s3, url)
+    assert code == 0 and s['complete'], err[-3000:]
+    whole(url, local)

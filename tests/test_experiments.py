@@ -94,6 +94,8 @@ BAD = {
     'peers-unknown-cell': ('peers', ['cells', 'dflash,eagle3', 'out', 'out'], ["cells: ['eagle3'] unknown; known: dflash, specforge-recipe"], None),
     'peers-probe-as-long-as-the-run': ('peers', ['wall_s', 100, 'probe_s', 100, 'out', 'out'], ['probe_s: 100', 'must be less than wall_s'], None),
     'peers-seeds': ('peers', ['seeds', '0,one', 'out', 'out'], ["seeds: '0,one' is not a comma-separated list of integers"], None),
+    'store-unknown-target': ('store', ['targets', 'tiny,gpt2', 'out', 'out'], ["targets='tiny,gpt2': 'gpt2' is not one of tiny, smollm2"], None),
+    'store-steps-below-4': ('store', ['steps', 2, 'out', 'out'], ['steps=2: must be >= 4'], None),
     'tree_budget-lone-temperature': ('tree_budget', ['drafter', 'drafter', 'temperatures', '0.0001', 'out', 'out'],     # a number, not a string
                                      ["temperatures: ['0.0001']: 0, or at least 0.001"], fake_drafter)}
 

@@ -21,7 +21,8 @@ from .batching import token_budget_batches, split_batches, DEFAULT_TOKEN_BUDGET,
 from .metrics import Monitor, plot_throughput
 from .track import Trackers, check_trackers, report_to_param
 from .shards import (ShardWriter, ExtractedDataset, open_out, read_manifest, update_manifest, shard_sample_ids, run_lock,
-                           quantize_fp8, open_store, Mirror, StagingRoom, MANIFEST, _totals)
+                           quantize_fp8, MANIFEST, _totals)
+from .mirror import open_store, Mirror, StagingRoom
 from .store import Store, is_url
 
 # %% ../nbs/extract.ipynb #679a5e28

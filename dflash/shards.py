@@ -6,18 +6,17 @@
 __all__ = ['FP8_MAX', 'FORMAT', 'MANIFEST', 'INDEX', 'HEADER_KEYS', 'HEADER_LATER', 'HEADER_DEFAULTS', 'quantize_fp8',
            'dequantize_fp8', 'ShardFile', 'read_manifest', 'manifest_lock', 'update_manifest', 'ShardWriter',
            'run_lock', 'store_intact', 'header_diff', 'open_out', 'shard_sample_ids', 'CorruptShard',
-           'ExtractedDataset', 'load_sample', 'check_extraction', 'staged_bytes', 'StagingRoom', 'open_store', 'Mirror',
-           'pad_rows', 'collate', 'OfflineSource']
+           'ExtractedDataset', 'load_sample', 'check_extraction', 'pad_rows', 'collate', 'OfflineSource']
 
 # %% ../nbs/shards.ipynb #2fcff162
-import fcntl, hashlib, json, os, queue, sys, threading, time
+import fcntl, hashlib, json, os, queue, sys, threading
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
 from .core import Feeder, file_sha256, write_json_atomic, set_aside, cache_dir
-from .store import Store, ShardCache, StoreCorrupt, cached_tensors, save_index, is_url
+from .store import Store, ShardCache, StoreCorrupt, cached_tensors, is_url
 from .taps import config_sha256, tokenizer_sha256, weights_sha256, load_target_config, load_tokenizer
 
 # %% ../nbs/shards.ipynb #1e8f6304
@@ -437,150 +436,6 @@ def check_extraction(xds, target, layer_ids=None, complete=False):
         raise ValueError(f'the drafter reads the taps {list(layer_ids)}; the extraction {xds.out} holds the taps {xds.layer_ids}: '
                          'extract at the drafter\'s taps')
     return xds
-
-# %% ../nbs/shards.ipynb #ce25e6ee
-def staged_bytes(staging, shard_bytes=0):
-    "Bytes of shards in the staging folder: the finished ones, and each one being written counted as `shard_bytes` at least."
-    n = 0
-    for p in Path(staging).glob('shard-*'):
-        try: size = p.stat().st_size
-        except FileNotFoundError: continue                        # uploaded and deleted meanwhile
-        n += max(size, shard_bytes) if p.name.endswith('.tmp') else size
-    return n
-
-class StagingRoom:
-    """`with room(n):` waits until the staging folder has `n` bytes free under `limit`, holding a lock (across processes) while the new
-    shard's file is created; it stops waiting with an error once `failed()` returns one (the uploads stopped)."""
-    def __init__(self, staging, limit, failed=lambda: None, poll=0.1):
-        self.staging, self.limit, self.failed, self.poll, self.waited_s = Path(staging), int(limit), failed, poll, 0.0
-
-    @contextmanager
-    def __call__(self, n):
-        while True:
-            with open(self.staging / '.staging.lock', 'a') as f:
-                fcntl.flock(f, fcntl.LOCK_EX)
-                try:
-                    if staged_bytes(self.staging, n) + n <= self.limit: yield; return
-                finally: fcntl.flock(f, fcntl.LOCK_UN)
-            if (e := self.failed()) is not None: raise RuntimeError(f'staging {self.staging} is full and its uploads stopped ({e})')
-            time.sleep(self.poll); self.waited_s += self.poll
-
-# %% ../nbs/shards.ipynb #d79da355
-def open_store(store, staging, header):
-    """`open_out` for an extraction into `store` through the local folder `staging`: the store's manifest made from `header` or checked
-    (its shards missing, truncated or altered are named and extracted again; unlisted objects deleted), and staging's manifest: the
-    store's shards and the staged ones not uploaded yet (uploaded first). Returns staging's manifest."""
-    staging = Path(staging); staging.mkdir(parents=True, exist_ok=True)
-    with manifest_lock(staging):
-        m, listing = store.read_json(MANIFEST), store.listing()
-        if m is not None and (diff := header_diff(m, header)):
-            raise ValueError(f'{store.url} holds an extraction made with ' + ', '.join(diff) + ': use another URL (or delete that one)')
-        kept, seen = [], set()
-        for s in (m or {}).get('shards', []):
-            why = store_intact(s, listing.get(s['file']))
-            ids = set() if why else set(cached_tensors(store, s['file'], s['sha256'], INDEX)[0]['sample_ids'].tolist())
-            if not why and ids & seen: why = 'a second copy of samples another shard holds'
-            if why is None: kept.append(s); seen |= ids
-            else: print(f'{store.url}/{s["file"]}: {why}; its {s["num_samples"]} samples are extracted again', file=sys.stderr, flush=True)
-        m = dict(m or dict(format=FORMAT, **header), shards=kept, complete=False)
-        listed = {s['file'] for s in kept}
-        for name in listing:
-            if name.startswith('shard-') and name not in listed: store.remove(name)     # an upload the manifest never listed
-        store.write_json(MANIFEST, _totals(m))
-        old, staged = read_manifest(staging), []
-        for s in ([] if old is None or header_diff(old, header) else old['shards']):
-            if s['file'] in listed or _intact(staging, s) is not None: continue
-            with safe_open(staging / s['file'], 'pt') as f: ids = set(f.get_tensor('sample_ids').tolist())
-            if not ids & seen: staged.append(s); seen |= ids
-        keep = {s['file'] for s in staged}
-        for p in [*staging.glob('shard-*.safetensors'), *staging.glob('shard-*.tmp'), *staging.glob('.manifest.json.*.tmp')]:
-            if p.name not in keep: p.unlink()
-        sm = dict(m, shards=kept + staged)
-        write_json_atomic(staging / MANIFEST, _totals(sm))
-    return sm
-
-# %% ../nbs/shards.ipynb #f7239ae1
-class Mirror:
-    """Uploads the shards an extraction writes into `staging` to `store`, `uploads` at a time: each is checked in the store, listed in the
-    store's manifest (rewritten at most every `flush_s` s), then deleted from staging. The first error stops it; `check()` raises it."""
-    def __init__(self, store, staging, uploads=2, flush_s=5.0, poll=0.2):
-        self.store, self.staging, self.flush_s, self.poll = store, Path(staging), flush_s, poll
-        self.m = store.read_json(MANIFEST)
-        self.listed, self.queued, self.up, self.stored, self.error = {s['file'] for s in self.m['shards']}, set(), set(), [], None
-        self.q, self.lock, self.mlock, self.stop = queue.Queue(), threading.Lock(), threading.Lock(), threading.Event()
-        self.uploaded = self.uploaded_bytes = self.peak = 0; self.t0 = time.time()
-        self.threads = [threading.Thread(target=self._poll, name='dflash-mirror', daemon=True)] + [
-            threading.Thread(target=self._upload, name=f'dflash-upload-{i}', daemon=True) for i in range(uploads)]
-        for t in self.threads: t.start()
-
-    def _poll(self):
-        last = time.time()
-        try:
-            while not self.stop.is_set():
-                for s in read_manifest(self.staging)['shards']:
-                    if s['file'] not in self.listed and s['file'] not in self.queued and (self.staging / s['file']).exists():
-                        self.queued.add(s['file']); self.q.put(s)
-                if time.time() - last >= self.flush_s: self.flush(); last = time.time()
-                self.peak = max(self.peak, staged_bytes(self.staging))
-                self.stop.wait(self.poll)
-        except BaseException as e: self.error = self.error or e
-
-    def _upload(self):
-        while (s := self.q.get()) is not None:
-            if self.error is not None: continue
-            try:
-                tag = self.store.upload(self.staging / s['file'], s['file'], s['sha256'])
-                _keep_index(self.staging / s['file'], s['sha256'])           # its index known here: no ranged reads for it later
-                with self.lock: self.stored.append(dict(s, etag=tag)); self.uploaded += 1; self.uploaded_bytes += s['bytes']; self.up.add(s['file'])
-                (self.staging / s['file']).unlink()      # in the store, checked: its room is the next shard's (listed at the next flush)
-            except BaseException as e: self.error = self.error or e
-
-    def flush(self):
-        "List the shards uploaded since the last flush in the store's manifest."
-        with self.mlock:
-            with self.lock: new, self.stored = sorted(self.stored, key=lambda s: s['file']), []
-            if not new: return
-            self.m['shards'] += new
-            try: self.store.write_json(MANIFEST, _totals(self.m))
-            except BaseException: self.m['shards'] = self.m['shards'][:-len(new)]; raise
-            self.listed |= {s['file'] for s in new}
-
-# %% ../nbs/shards.ipynb #2703132c
-def _keep_index(path, sha256):
-    "Put the index of the local shard `path` in the store index cache, as `cached_tensors` would read it from the store."
-    with open(path, 'rb') as f: h = json.loads(f.read(int.from_bytes(f.read(8), 'little')))
-    with safe_open(path, 'pt') as f: save_index(sha256, {k: f.get_tensor(k).numpy() for k in INDEX}, h)
-
-def _mirror_status(self):
-    "What the progress line and metrics show: shards waiting to upload, staged bytes, uploaded bytes and MB/s."
-    return dict(upload_queue=len(self.queued - self.up - self.listed), staged_bytes=staged_bytes(self.staging), uploaded_bytes=self.uploaded_bytes,
-                uploaded=self.uploaded, upload_MBps=self.uploaded_bytes / 2**20 / max(time.time() - self.t0, 1e-9), retried=self.store.retried)
-
-def _mirror_check(self):
-    "Raise the uploads' error, saying what is kept and how to go on."
-    if self.error is None: return self
-    e = self.error
-    err = RuntimeError(f'uploading to {self.store.url} stopped: {type(e).__name__}: {e}. The shards not uploaded are kept in {self.staging}; '
-                       'run the same command to resume')
-    raise err from e
-
-def _mirror_drain(self):
-    "Wait until the store's manifest lists every shard of staging's (raises the uploads' error); returns the store's manifest."
-    while True:
-        self.check(); self.flush()
-        todo = [s['file'] for s in read_manifest(self.staging)['shards'] if s['file'] not in self.listed]
-        if not todo: return self.m
-        lost = [f for f in todo if f not in self.queued and not (self.staging / f).exists()]
-        if lost: raise RuntimeError(f'{self.staging / lost[0]}: listed in staging, neither staged nor uploaded')
-        time.sleep(self.poll)
-
-def _mirror_close(self, wait=True):
-    "Stop the threads: with `wait`, uploads in progress finish first (after an error, they are left to die with the process)."
-    self.stop.set()
-    for _ in self.threads[1:]: self.q.put(None)
-    for t in self.threads: t.join(None if wait else 2.0)
-
-Mirror.status, Mirror.check, Mirror.drain, Mirror.close = _mirror_status, _mirror_check, _mirror_drain, _mirror_close
 
 # %% ../nbs/shards.ipynb #2f13285c
 def pad_rows(rows, lengths):

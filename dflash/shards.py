@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from .core import Feeder, file_sha256, write_json_atomic, set_aside, cache_dir
-from .store import Store, ShardCache, StoreCorrupt, cached_tensors, is_url
+from .store import Store, ShardCache, StoreCorrupt, cached_tensors, etag_of, is_url
 from .taps import config_sha256, tokenizer_sha256, weights_sha256, load_target_config, load_tokenizer
 
 # %% ../nbs/shards.ipynb #1e8f6304
@@ -224,7 +224,7 @@ def store_intact(s, info):
     "Is the listed shard `s` in the store (`info`: its listing entry, or None) whole, with the size and ETag recorded at upload? (A reason when not.)"
     if info is None: return 'missing from the store'
     if info.get('size') != s['bytes']: return f'truncated or replaced in the store ({info.get("size")} of {s["bytes"]} bytes)'
-    tag = (info.get('ETag') or info.get('etag') or info.get('md5Hash') or '').strip('"')
+    tag = etag_of(info)
     if s.get('etag') and not s['etag'].startswith('sha256:') and tag and tag != s['etag']:
         return f'altered in the store (its ETag is {tag}, the upload\'s was {s["etag"]})'
     return None
@@ -282,7 +282,7 @@ class ExtractedDataset:
         self.out = self.store.url if self.store else Path(out)
         m = self.store.read_json(MANIFEST) if self.store else read_manifest(out)
         if m is None: raise FileNotFoundError(f'{self._where(MANIFEST)}: no manifest, run extract first')
-        self.cache_dir, self.cache_bytes, self._cache = cache, int(cache_gb * 2**30), None
+        self.cache_dir, self.cache_bytes, self._cache, self._listing = cache, int(cache_gb * 2**30), None, None
         if require_complete and not m.get('complete'): raise ValueError(f'{self.out}: the extraction is not complete (resume it with extract)')
         self.manifest, self.layer_ids, self.hidden_size, self.verify = m, m['layer_ids'], m['hidden_size'], verify
         self.fp8, self.final_hidden = m['dtype'] == 'float8_e4m3fn', bool(m.get('final_hidden', False))
@@ -336,7 +336,7 @@ class ExtractedDataset:
         "Check shard `j`'s size and sha256 (in a store: its size and ETag) against the manifest, once per shard; raises `CorruptShard` naming it."
         if j in self.verified: return
         s = self.manifest['shards'][j]
-        if self.store and listing is None: listing = self._listing = getattr(self, '_listing', None) or self.store.listing()   # listed once
+        if self.store and listing is None: listing = self._listing = self._listing or self.store.listing()   # listed once
         why = _intact(self.out, s) if not self.store else store_intact(s, listing.get(s['file']))
         if why is not None: raise self._bad(s, why)
         self.verified.add(j)

@@ -20,7 +20,7 @@ export PYTHONHASHSEED := 0
 # DFLASH_DEVICE=cpu: the tests check the CPU's arithmetic, also on a GPU box (`make gpu-check` is the GPU's).
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE DFLASH_DEVICE=cpu
 
-.PHONY: setup demo real-demo test test-all test-slow test-nbs test-py check-sync docs browser readme bench chaos gpu-check clean-venv vllm-check peers peers-venvs
+.PHONY: setup llamacpp-tap demo real-demo test test-all test-slow test-nbs test-py check-sync docs browser readme bench chaos gpu-check clean-venv vllm-check peers peers-venvs
 setup: $(STAMP)
 
 $(STAMP): settings.ini setup.py Makefile
@@ -39,8 +39,13 @@ $(STAMP): settings.ini setup.py Makefile
 	$(PY) -c 'from dflash.taps import environment; print(environment())'
 	$(PY) -m ipykernel install --sys-prefix --name dflash --display-name 'Python (dflash)' >/dev/null
 	@# llama.cpp's converter, from the sdist of the xllamacpp release whose server the dev extra installs (cached in $$DFLASH_CACHE)
-	$(PY) -c 'from dflash.engine import converter; print("llama.cpp converter:", converter())'
+	$(PY) -c 'from dflash.llamacpp import converter; print("llama.cpp converter:", converter())'
 	@touch $@
+
+# llama.cpp built from the wheel's source release with patches/llama.cpp/ applied (Gemma 3's graph then records the layer inputs a
+# drafter reads), once, into $$DFLASH_CACHE: about 12 min on 2 cores, 36 MB. dflash_engine uses it for the targets that need it.
+llamacpp-tap: setup
+	$(PY) -c 'from dflash.llamacpp import tap_build; print(tap_build())'
 
 demo: setup
 	mkdir -p runs/demo

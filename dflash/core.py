@@ -137,7 +137,8 @@ def param(default=None, help='', *, min=None, max=None, choices=None, gt=None, l
 
 def target_param():
     "The `target` parameter every job has."
-    return param(None, 'the target: a local directory or a hub id (from the local cache when HF_HUB_OFFLINE=1); None: the embedded target')
+    return param(None, 'the target: a local directory, a hub id (from the local cache when HF_HUB_OFFLINE=1), or a name dflash installs '
+                       "('gemma-3-270m', 'smollm2-135m-instruct'); None: the embedded target")
 
 def data_param(needs=None):
     "The `data` parameter of the jobs that read conversations: a file, or a dataset `prepare` made (`needs`: when a job reads it, see `param`)."

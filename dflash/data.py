@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, out_param, run_cli, claim_out, write_json_atomic, file_sha256
+from .gguf import by_name
 from .taps import load_tokenizer, target_name, tokenizer_sha256
 
 # %% ../nbs/data.ipynb #71bb31c6
@@ -313,6 +314,7 @@ class PrepareConfig(Job):
     def check(self):
         if self.data is None: self.set('data', str(TRAIN_DATA), 'the embedded train split')
         if self.target is None: self.set('target', str(TINY_TARGET), 'the embedded target')
+        by_name(self)                                  # 'gemma-3-270m' and the other names dflash installs: their directory
         if self.out is None: self.set('out', str(RUNS / 'data'), 'default')
         if not Path(self.data).is_file(): raise FileNotFoundError(f'data: no such file: {self.data}')
         return self

@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 from .core import TINY_TARGET, HELDOUT_DATA, RUNS, Job, param, target_param, out_param, run_cli, write_json_atomic, claim_out
+from .gguf import by_name
 from .taps import tap_layers, tapped, load_target, load_target_config, load_tokenizer, target_name
 from .data import BadRow, DataError, load_conversations, prompt_of
 from .model import DFlashDraftModel
@@ -354,6 +355,7 @@ class EvalConfig(Job):
 
     def check(self):
         if self.target is None: self.set('target', str(TINY_TARGET), 'the embedded target')
+        by_name(self)                                  # 'gemma-3-270m' and the other names dflash installs: their directory
         if self.eval_data is None: self.set('eval_data', str(HELDOUT_DATA), 'the embedded held-out split')
         if self.out is None: self.set('out', str(RUNS / 'evaluate'), 'default')
         for f in self.files:

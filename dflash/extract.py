@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, data_param, out_param, run_cli, claim_out, cache_dir
+from .gguf import by_name
 from .taps import (capture, check_finite, pad_batch, text_config, check_layer_ids, default_layer_ids, parse_dtype, dtype_name, peak_mem_bytes,
                          load_target, load_target_config, target_name, config_sha256, weights_sha256)
 from .data import TokenizedDataset, prepared, other_dataset
@@ -310,6 +311,7 @@ class ExtractConfig(Job):
         if isinstance(self.token_budget, str) and self.token_budget != 'auto':
             raise ValueError(f"token_budget={self.token_budget!r}: must be a number of tokens or 'auto'")
         if self.target is None: self.set('target', str(TINY_TARGET), 'the embedded target')
+        by_name(self)                                  # 'gemma-3-270m' and the other names dflash installs: their directory
         if self.data is None: self.set('data', str(TRAIN_DATA), 'the embedded train split')
         if self.out is None: self.set('out', str(RUNS / 'extract'), 'default')
         if not Path(self.data).exists(): raise FileNotFoundError(f'data: no such file or directory: {self.data}')

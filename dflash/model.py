@@ -97,6 +97,7 @@ _TARGET_ONLY_ROPE = ('partial_rotary_factor', 'mrope_section', 'mrope_interleave
 
 def _rope(tc):
     rp = dict(getattr(tc, 'rope_parameters', None) or {})
+    if isinstance(rp.get(FULL), dict): rp = dict(rp[FULL])      # one table per layer type (Gemma 3): a drafter has one RoPE, the global layers'
     rp.setdefault('rope_theta', getattr(tc, 'rope_theta', 10000.0)); rp.setdefault('rope_type', 'default')
     return {k: v for k, v in rp.items() if k not in _TARGET_ONLY_ROPE}
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import torch
 from .core import TINY_TARGET, TRAIN_DATA, REGEN_DATA, HELDOUT_DATA, HELDOUT_REGEN, RUNS, Job, param, target_param, data_param, out_param, file_sha256
+from .gguf import by_name
 from .taps import auto_device, gpu_count
 from .loss import parse_terms, tree_loss_budget
 from .track import check_trackers, report_to_param
@@ -196,6 +197,7 @@ class TrainConfig(Job):
         if isinstance(self.targets, str) and self.targets != 'auto': raise ValueError(f"targets={self.targets!r}: must be a number of ranks or 'auto'")
         if self.targets == 'auto' and self.ranks is None: self.set('ranks', gpu_count() or 3, 'the GPUs, or 3 on a CPU')
         if self.target is None: self.set('target', str(TINY_TARGET), 'the embedded target')
+        by_name(self)                                  # 'gemma-3-270m' and the other names dflash installs: their directory
         recipe, why = (DEMO, 'demo: the embedded target') if self.demo else (RECIPE, 'recipe: SpecForge train_dflash.py / configs')
         for k, v in recipe.items():
             if getattr(self, k) is None: self.set(k, v, why)

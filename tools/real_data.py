@@ -10,8 +10,8 @@
 
 For the base model (Gemma-3-270M), which continues text: `python tools/real_data.py --base` writes the prompts it
 continues, from the files above and Python 3.11's standard library (PSF licence): training, ShareGPT prompts as text and
-standard-library functions (signature and docstring, the body left to continue) as code; held out, other ShareGPT
-prompts and HumanEval's prompts as bare code.
+standard-library functions (signature and docstring, the body left to continue) as code, the 1200 of at most 213
+characters (876 text, 324 code); held out, other ShareGPT prompts and HumanEval's prompts as bare code.
 """
 import argparse, ast, gzip, hashlib, json, random, re, sysconfig, zipfile
 from pathlib import Path
@@ -72,13 +72,15 @@ def code_prompts(stdlib, n, seed=0, most=1200):
     random.Random(seed).shuffle(rows)
     return rows[:n]
 
-def base_prompts(out, stdlib, text=1200, code=600, heldout_text=100):
-    "The base model's training prompts (ShareGPT text, standard-library code) and held-out ones (ShareGPT, HumanEval as bare code)."
+def base_prompts(out, stdlib, text=1200, code=600, heldout_text=100, most=213):
+    """The base model's training prompts (ShareGPT text, standard-library code; those of at most `most` characters: a drafter learns the
+    continuation, and a long prompt only costs regeneration time) and held-out ones (ShareGPT, HumanEval as bare code)."""
     prompt = lambda l: ((r := json.loads(l))['id'], r['conversations'][0]['value'])
     train = [p for l in open(out / 'sharegpt-prompts-train.jsonl') if len((p := prompt(l))[1]) <= 800][:text]
     held = [p for l in open(out / 'sharegpt-prompts-heldout.jsonl') if len((p := prompt(l))[1]) <= 800][:heldout_text]
     he = [(i, p.removeprefix('Complete this Python function.\n\n```python\n').removesuffix('```')) for i, p in map(prompt, open(out / 'humaneval-prompts.jsonl'))]
     train += code_prompts(stdlib, code); random.Random(0).shuffle(train)      # text and code mixed: any first N holds both
+    train = [(i, p) for i, p in train if len(p) <= most]
     write(out / 'base-prompts-train.jsonl', train)
     write(out / 'base-prompts-heldout.jsonl', held)
     write(out / 'humaneval-code-prompts.jsonl', he)

@@ -86,8 +86,9 @@ class StoreLease:
         self.store.write_json(LEASE, dict(self.me, time=time.time()))
 
     def __enter__(self):
-        self.renew(); time.sleep(self.settle_s)                 # two that start at once: the one whose lease is read back goes on
         if (o := self.other()) is not None: raise self._refuse(o)
+        self.store.write_json(LEASE, dict(self.me, time=time.time())); time.sleep(self.settle_s)
+        if (o := self.other()) is not None: raise self._refuse(o)   # two that started at once: the one whose lease is read back goes on
         return self
 
     def __exit__(self, *exc):

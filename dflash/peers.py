@@ -137,10 +137,13 @@ def check_weights(sd, cfg, where):
     its shape, and no layer past `num_hidden_layers`; a `ValueError` naming the file `where` and what does not fit."""
     with torch.device('meta'): want = {k: tuple(v.shape) for k, v in DFlashDraftModel(cfg).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in sd.items() if k in want or k.startswith('layers.')}
-    bad = ([f'{k} is missing' for k in want if k not in got] + [f'{k} is not in a drafter of {cfg.num_hidden_layers} layers' for k in got if k not in want]
+    part = lambda k: '.'.join(k.split('.')[:2]) + '.*' if k.startswith('layers.') else k          # a layer's tensors, said together
+    said = lambda ks: list(dict.fromkeys(part(k) if all(j in ks for j in {**want, **got} if part(j) == part(k)) else k for k in ks))
+    bad = ([f'{k} is missing' for k in said([k for k in want if k not in got])]
+           + [f'{k} is past num_hidden_layers {cfg.num_hidden_layers}' for k in said([k for k in got if k not in want])]
            + [f'{k} is {list(got[k])}, the config makes it {list(s)}' for k, s in want.items() if k in got and got[k] != s])
-    if bad: raise ValueError(f'{where}: the weights do not fit the config ({cfg.num_hidden_layers} layers, hidden size {cfg.hidden_size}, taps '
-                             f'{cfg.target_layer_ids}): ' + '; '.join(bad[:4]) + (f'; and {len(bad) - 4} more' if len(bad) > 4 else ''))
+    if bad: raise ValueError(f'{where}: the weights do not fit the config (num_hidden_layers {cfg.num_hidden_layers}, hidden_size {cfg.hidden_size}, '
+                             f'taps {cfg.target_layer_ids}): ' + '; '.join(bad[:4]) + (f'; and {len(bad) - 4} more' if len(bad) > 4 else ''))
     return {k: sd[k].contiguous() for k in want}
 
 def import_drafter(src, out, target, mask_token_id=None):

@@ -10,7 +10,7 @@ __all__ = ['SHAPE_KEYS', 'FIXED_KEYS', 'VAL_KEYS', 'RESUME_KEYS', 'FREE_KEYS', '
 import errno, json, os, shutil, time
 from pathlib import Path
 import torch
-from .core import write_json_atomic, read_jsonl, first_free
+from .core import write_json_atomic, read_jsonl, first_free, parse_url
 from .taps import config_sha256, weights_sha256, other_weights, load_target_config
 from .speedup import read_profile, profile_sha256
 from .publish import save_drafter
@@ -91,7 +91,7 @@ def adopt_checkpoint(cfg, old):
 def _val_of(c):
     "A run's validation split as the held-out figure sees it: its file, or the extraction the user gave, and how much of it is read."
     d = c.get('val_data'); d = None if d in (None, 'none') else str(Path(d).resolve())
-    x = None if d or not c.get('val_extracted') else str(Path(c['val_extracted']).resolve())
+    x = None if d or not (v := c.get('val_extracted')) else parse_url(v, 'val_extracted') or str(Path(v).resolve())   # a store's URL as it is
     return dict(val_data=d, val_extracted=x, val_samples=c.get('val_samples'), val_anchors=c.get('val_anchors'))
 
 def _same_target(ck, target):

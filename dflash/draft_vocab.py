@@ -93,8 +93,10 @@ def check_vocab_maps(drafter):
     d = Path(drafter); f, c = d / 'model.safetensors', json.loads((Path(drafter) / 'config.json').read_text())
     if not f.is_file(): return None
     K, V = c.get('draft_vocab_size'), c.get('vocab_size')
-    with safe_open(f, 'pt') as s:
-        maps, rows = {k: s.get_tensor(k) for k in ('d2t', 't2d') if k in s.keys()}, s.get_slice('lm_head.weight').get_shape()[0] if 'lm_head.weight' in s.keys() else None
+    try:
+        with safe_open(f, 'pt') as s:
+            maps, rows = {k: s.get_tensor(k) for k in ('d2t', 't2d') if k in s.keys()}, s.get_slice('lm_head.weight').get_shape()[0] if 'lm_head.weight' in s.keys() else None
+    except Exception: return None                                     # unreadable: the load that follows names it
     if not K:
         if maps or rows is not None: raise ValueError(f"{f} holds a vocabulary of its own (its head and {', '.join(maps) or 'no maps'}), but {d / 'config.json'} "
                                                       "has no draft_vocab_size: it would load as the full form, drafting from the target's head; "

@@ -165,13 +165,16 @@ def env_device():
     v = os.environ.get('DFLASH_DEVICE')
     if not v: return None
     import torch
-    bad = lambda why: ValueError(f'DFLASH_DEVICE={v!r}: {why}; DFLASH_DEVICE=cpu runs on the CPU, cuda or cuda:N on a GPU (unset: the GPUs if any)')
+    bad = lambda why: ValueError(f'DFLASH_DEVICE={v!r}: {why}; DFLASH_DEVICE=cpu runs on the CPU, cuda or cuda:N on a GPU '
+                                 '(unset: the GPUs if any)')
     try: d = torch.device(v)
     except RuntimeError: raise bad('not a device torch knows') from None
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if d.type == 'cuda' and not n: raise bad(f'torch {torch.__version__} cannot use a GPU here' + (' (a CPU build)' if torch.version.cuda is None else ''))
+    if d.type == 'cuda' and not n:
+        raise bad(f'torch {torch.__version__} cannot use a GPU here' + (' (a CPU build)' if torch.version.cuda is None else ''))
     if d.type == 'cuda' and d.index is not None and d.index >= n: raise bad(f'torch sees {n} GPU{"s" * (n > 1)} here (cuda:0 to cuda:{n - 1})')
-    if d.type not in ('cpu', 'cuda') and not (d.type == 'mps' and torch.backends.mps.is_available()): raise bad(f'jobs do not run on {d.type} here')
+    if d.type not in ('cpu', 'cuda') and not (d.type == 'mps' and torch.backends.mps.is_available()):
+        raise bad(f'jobs do not run on {d.type} here')
     return d
 
 # %% ../nbs/core.ipynb #c0907ef8
@@ -180,7 +183,8 @@ def param(default=None, help='', *, min=None, max=None, choices=None, gt=None, l
     equal; `least`: 0 or at least this). `off`: the text `none` turns it off (kept as 'none', never read as None, which means the
     default). `needs`: `(predicate of the job, what it says)`, when the setting has an effect at all (`Job.inert`). `where`: a location,
     'local' (a path) or 'store' (a path or a store URL), read by `parse_url`."""
-    return field(default=default, metadata=dict(help=help, min=min, max=max, choices=choices, gt=gt, least=least, off=off, needs=needs, where=where))
+    return field(default=default, metadata=dict(help=help, min=min, max=max, choices=choices, gt=gt, least=least, off=off, needs=needs,
+                                                where=where))
 
 def target_param():
     "The `target` parameter every job has."
@@ -189,8 +193,8 @@ def target_param():
 
 def data_param(needs=None):
     "The `data` parameter of the jobs that read conversations: a file, or a dataset `prepare` made (`needs`: when a job reads it, see `param`)."
-    return param(None, 'ShareGPT JSON/JSONL file (tokenized once into out/dataset), or a prepared dataset directory; None: the embedded train split',
-                 needs=needs, where='local')
+    return param(None, 'ShareGPT JSON/JSONL file (tokenized once into out/dataset), or a prepared dataset directory; None: the embedded '
+                       'train split', needs=needs, where='local')
 
 def out_param(job, what):
     "The `out` parameter of `job`: a directory of `what`."

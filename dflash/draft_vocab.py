@@ -64,8 +64,9 @@ class DFlashVocabDraftModel(DFlashDraftModel):
         err = (W - want).norm(dim=1) / torch.maximum(want.norm(dim=1), W.norm(dim=1)).clamp_min(1e-12)
         if (bad := (err > 0.05).nonzero()[:, 0]).numel():
             i = int(bad[0])
-            raise ValueError(f"{where}: its own head's row {i} is not the target head's row {int(self.draft_ids[i])}, the token d2t maps it to "
-                             f'({len(bad)} of {len(err)} rows differ: d2t permuted, or a head of other tokens): publish it again from its full form')
+            raise ValueError(f"{where}: its own head's row {i} is not the target head's row {int(self.draft_ids[i])}, the token d2t maps "
+                             f'it to ({len(bad)} of {len(err)} rows differ: d2t permuted, or a head of other tokens): publish it again from '
+                             'its full form')
         return self
 
     @classmethod
@@ -95,21 +96,26 @@ def check_vocab_maps(drafter):
     K, V = c.get('draft_vocab_size'), c.get('vocab_size')
     try:
         with safe_open(f, 'pt') as s:
-            maps, rows = {k: s.get_tensor(k) for k in ('d2t', 't2d') if k in s.keys()}, s.get_slice('lm_head.weight').get_shape()[0] if 'lm_head.weight' in s.keys() else None
+            maps = {k: s.get_tensor(k) for k in ('d2t', 't2d') if k in s.keys()}
+            rows = s.get_slice('lm_head.weight').get_shape()[0] if 'lm_head.weight' in s.keys() else None
     except Exception: return None                                     # unreadable: the load that follows names it
     if not K:
-        if maps or rows is not None: raise ValueError(f"{f} holds a vocabulary of its own (its head and {', '.join(maps) or 'no maps'}), but {d / 'config.json'} "
-                                                      "has no draft_vocab_size: it would load as the full form, drafting from the target's head; "
-                                                      f"restore draft_vocab_size ({rows} rows)")
+        if maps or rows is not None:
+            raise ValueError(f"{f} holds a vocabulary of its own (its head and {', '.join(maps) or 'no maps'}), but {d / 'config.json'} has "
+                             "no draft_vocab_size: it would load as the full form, drafting from the target's head; restore draft_vocab_size "
+                             f"({rows} rows)")
         return None
     bad = lambda why: ValueError(f'{f}: {why} (draft_vocab_size {K}, a target of {V} tokens): its served vocabulary is not what it says; '
                                  'publish it again from its full form')
-    if missing := [k for k in ('d2t', 't2d') if k not in maps] + (['lm_head.weight'] if rows is None else []): raise bad(f'no {", ".join(missing)}')
+    if missing := [k for k in ('d2t', 't2d') if k not in maps] + (['lm_head.weight'] if rows is None else []):
+        raise bad(f'no {", ".join(missing)}')
     d2t, t2d = maps['d2t'].long(), maps['t2d']
-    if d2t.shape != (K,) or rows != K: raise bad(f'd2t holds {list(d2t.shape)} entries and its head {rows} rows, where draft_vocab_size says {K}')
+    if d2t.shape != (K,) or rows != K:
+        raise bad(f'd2t holds {list(d2t.shape)} entries and its head {rows} rows, where draft_vocab_size says {K}')
     if t2d.shape != (V,): raise bad(f't2d has {list(t2d.shape)} entries, not one per target token')
     ids = torch.arange(K) + d2t
-    if (out := ((ids < 0) | (ids >= V)).nonzero()[:, 0]).numel(): raise bad(f'd2t maps draft id {int(out[0])} to {int(ids[out[0]])}, not a token of 0..{V - 1}')
+    if (out := ((ids < 0) | (ids >= V)).nonzero()[:, 0]).numel():
+        raise bad(f'd2t maps draft id {int(out[0])} to {int(ids[out[0]])}, not a token of 0..{V - 1}')
     u, n = ids.unique(return_counts=True)
     if (n > 1).any(): raise bad(f'd2t maps {int((n[n > 1] - 1).sum())} draft ids to a token another one maps to (token {int(u[n > 1][0])})')
     if not torch.equal(t2d.bool(), torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True)):

@@ -340,7 +340,8 @@ class EngineConfig(Job):
     profile_lengths: str | None = param(None, "with profile: the drafted lengths it measures, comma-separated; None: 1 .. all the drafter drafts",
                                         needs=(lambda j: j.profile, 'profile'))
     val_extracted: str | None = param(None, "with profile: an extraction of held-out replies at the drafter's taps (a folder or a store URL), "
-                                      "whose held-out acceptance predicts the speed-up at each length", needs=(lambda j: j.profile, 'profile'), where='store')
+                                      "whose held-out acceptance predicts the speed-up at each length", needs=(lambda j: j.profile, 'profile'),
+                                      where='store')
     out: str | None = param(None, 'engine.json; None: runs/engine')
 
     def check(self):

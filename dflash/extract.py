@@ -364,7 +364,7 @@ def extract(*args, model=None, **kw):
         raise RuntimeError(f'gpus={job.gpus}, but torch sees {torch.cuda.device_count()} CUDA devices')
     t0 = time.time()
     store = Store(job.out, retries=job.store_retries).check() if is_url(job.out) else None   # a bad URL or credentials: told before any work
-    if store: claim_staging(_staging(job, store), store.url, ours=not job.staging_dir)   # this URL's staging, or refused before anything is deleted
+    if store: claim_staging(_staging(job, store), store.url, ours=not job.staging_dir)   # this URL's staging, or refused: nothing deleted
     out = claim_out(_staging(job, store) if store else job.out, job); out.mkdir(parents=True, exist_ok=True)
     print(job.announce())
     with run_lock(out), _sigterm_stops(), StoreLease(store, out) if store else nullcontext() as lease:   # the prefix is this run's alone

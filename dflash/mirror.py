@@ -52,7 +52,8 @@ def claim_staging(staging, url, ours=False):
     held = sorted(p.name for p in staging.iterdir()) if staging.is_dir() else []
     was = mark.read_text().strip() if mark.is_file() else None
     if held and was != url and not (ours and was is None):
-        what = f'the staging of the extraction into {was}' if was else f'files that are not staging of {url} ({", ".join(held[:4])}{", ..." * (len(held) > 4)})'
+        what = (f'the staging of the extraction into {was}' if was else
+                f'files that are not staging of {url} ({", ".join(held[:4])}{", ..." * (len(held) > 4)})')
         raise ValueError(f'staging_dir: {staging} holds {what}: give an empty folder, or leave staging_dir unset')
     staging.mkdir(parents=True, exist_ok=True); mark.write_text(url + '\n')
     return staging

@@ -35,7 +35,8 @@ def select_taps(src, out, layer_ids):
     out = Path(out)
     with ExtractedDataset(src, require_complete=True) as xds:
         m = xds.manifest
-        if (old := read_manifest(out)) and old.get('complete') and old['layer_ids'] == list(layer_ids) and old['dataset_sha256'] == m['dataset_sha256']: return out
+        old = read_manifest(out)
+        if old and old.get('complete') and old['layer_ids'] == list(layer_ids) and old['dataset_sha256'] == m['dataset_sha256']: return out
         cols, shards = tap_columns(m['layer_ids'], list(layer_ids), m['hidden_size']), []
         out.mkdir(parents=True, exist_ok=True)
         for j, s in enumerate(m['shards']):
@@ -142,8 +143,9 @@ def check_weights(sd, cfg, where):
     bad = ([f'{k} is missing' for k in said([k for k in want if k not in got])]
            + [f'{k} is past num_hidden_layers {cfg.num_hidden_layers}' for k in said([k for k in got if k not in want])]
            + [f'{k} is {list(got[k])}, the config makes it {list(s)}' for k, s in want.items() if k in got and got[k] != s])
-    if bad: raise ValueError(f'{where}: the weights do not fit the config (num_hidden_layers {cfg.num_hidden_layers}, hidden_size {cfg.hidden_size}, '
-                             f'taps {cfg.target_layer_ids}): ' + '; '.join(bad[:4]) + (f'; and {len(bad) - 4} more' if len(bad) > 4 else ''))
+    if bad: raise ValueError(f'{where}: the weights do not fit the config (num_hidden_layers {cfg.num_hidden_layers}, hidden_size '
+                             f'{cfg.hidden_size}, taps {cfg.target_layer_ids}): ' + '; '.join(bad[:4])
+                             + (f'; and {len(bad) - 4} more' if len(bad) > 4 else ''))
     return {k: sd[k].contiguous() for k in want}
 
 def import_drafter(src, out, target, mask_token_id=None):
@@ -153,15 +155,18 @@ def import_drafter(src, out, target, mask_token_id=None):
     src, out = Path(src), Path(out)
     c, tc = json.loads((src / 'config.json').read_text()), load_target_config(target)
     try: shape = peer_shape(c)
-    except KeyError as e: raise ValueError(f'{src / "config.json"} has no {e.args[0]!r}: not a DFlash drafter\'s config (its taps: dflash_config.'
-                                           'target_layer_ids, or speculators\' aux_hidden_state_layer_ids; its layers: num_hidden_layers ...)') from None
+    except KeyError as e:
+        raise ValueError(f'{src / "config.json"} has no {e.args[0]!r}: not a DFlash drafter\'s config (its taps: dflash_config.target_layer_ids, '
+                         'or speculators\' aux_hidden_state_layer_ids; its layers: num_hidden_layers ...)') from None
     if shape['mask_token_id'] is None: shape['mask_token_id'] = mask_token_id
     if shape['mask_token_id'] is None: raise ValueError(f'{src / "config.json"} names no mask token: pass mask_token_id (the one it trained with)')
     if not shape['head_dim']: shape.pop('head_dim')
-    cfg = drafter_config(tc, **shape, target_model=target_name(target), target_config_sha256=config_sha256(tc), target_weights_sha256=weights_sha256(target))
+    cfg = drafter_config(tc, **shape, target_model=target_name(target), target_config_sha256=config_sha256(tc),
+                         target_weights_sha256=weights_sha256(target))
     try: sd = load_file(src / 'model.safetensors')
-    except Exception as e: raise ValueError(f'{src / "model.safetensors"}: not a readable safetensors file ({type(e).__name__}: {e}): a damaged or '
-                                            'truncated copy?') from None
+    except Exception as e:
+        raise ValueError(f'{src / "model.safetensors"}: not a readable safetensors file ({type(e).__name__}: {e}): a damaged or truncated '
+                         'copy?') from None
     sd = check_weights(sd, cfg, src / 'model.safetensors')
     out.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(out)

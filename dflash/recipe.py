@@ -74,9 +74,10 @@ class TrainConfig(Job):
     extracted: str | None = param(None, 'an extraction directory, or its object store URL (s3://bucket/prefix, ...): train offline from it',
                                   where='store')
     cache_dir: str | None = param(None, 'extracted=URL: the local folder shards are cached in ahead of use, a folder per drafter rank; None: '
-                                  '$DFLASH_CACHE/store-cache', where='local', needs=(lambda c: is_url(c.extracted), 'extracted=URL (an object store)'))
-    cache_gb: float = param(16.0, "extracted=URL: local disk each drafter rank's shard cache may take, GiB (at least one micro-batch's shards)", gt=0,
-                            needs=(lambda c: is_url(c.extracted), 'extracted=URL (an object store)'))
+                                  '$DFLASH_CACHE/store-cache', where='local',
+                                  needs=(lambda c: is_url(c.extracted), 'extracted=URL (an object store)'))
+    cache_gb: float = param(16.0, "extracted=URL: local disk each drafter rank's shard cache may take, GiB (at least one micro-batch's "
+                            "shards)", gt=0, needs=(lambda c: is_url(c.extracted), 'extracted=URL (an object store)'))
     targets: int | str = param(2, "target ranks (online); 'auto': measure both sides and split `ranks` between them", min=1,
                                needs=(lambda c: c.online, 'online training (no extracted)'))
     drafters: int = param(1, 'drafter ranks (data parallel among themselves)', min=1)
@@ -138,8 +139,8 @@ class TrainConfig(Job):
     q_depth: int = param(20, 'HS queue: unconsumed batches per target rank at most (offline: prefetch depth)', min=1)
     q_gb: float = param(8.0, 'HS queue: GiB of hidden states a drafter rank holds at most on its device, received (online) or prefetched '
                         '(offline) and not yet trained on; while it is full the targets wait', gt=0)
-    mask_mb: float = param(1024.0, 'MiB one flex attention mask may take while it is built (GPU); the masks are built in pieces of anchors within it, '
-                           'one anchor a piece at least', gt=0, needs=(_on_gpu, 'a GPU (flex attention; a CPU builds no mask)'))
+    mask_mb: float = param(1024.0, 'MiB one flex attention mask may take while it is built (GPU); the masks are built in pieces of anchors '
+                           'within it, one anchor a piece at least', gt=0, needs=(_on_gpu, 'a GPU (flex attention; a CPU builds no mask)'))
     seed: int = param(0, 'seed of the data order, the anchors and the initialization')
     log_every: int = param(10, 'optimizer steps between metrics.jsonl lines', min=1)
     val_data: str | None = param(None, "the target's own replies to held-out prompts (any file prepare reads): held-out acceptance every "
@@ -261,8 +262,9 @@ class TrainConfig(Job):
                              f"queue on here: a bound it can never reach holds nothing back; give at most that")
         one = MASK_BYTES_PER_ELEMENT * self.block_size * (self.token_budget + self.block_size) / 2**20
         if d.type == 'cuda' and self.mask_mb < one:
-            raise ValueError(f"mask_mb={self.mask_mb:g}: one anchor's flex mask at token_budget={self.token_budget} and block_size={self.block_size} "
-                             f"takes {one:,.1f} MiB, and a mask is built one anchor a piece at least: give mask_mb >= {one:,.1f}")
+            raise ValueError(f"mask_mb={self.mask_mb:g}: one anchor's flex mask at token_budget={self.token_budget} and block_size="
+                             f"{self.block_size} takes {one:,.1f} MiB, and a mask is built one anchor a piece at least: give mask_mb >= "
+                             f'{one:,.1f}')
 
     def _check_validation(self):
         "The held-out split is given once, and is not the training data (the best drafter would be picked on what it trained on)."

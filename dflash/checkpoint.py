@@ -10,8 +10,8 @@ __all__ = ['SHAPE_KEYS', 'FIXED_KEYS', 'VAL_KEYS', 'RESUME_KEYS', 'FREE_KEYS', '
 import errno, json, os, shutil, time
 from pathlib import Path
 import torch
-from .core import write_json_atomic, read_jsonl, first_free
-from .taps import config_sha256, weights_sha256, load_target_config
+from .core import write_json_atomic, read_jsonl, first_free, parse_url
+from .taps import config_sha256, weights_sha256, other_weights, load_target_config
 from .speedup import read_profile, profile_sha256
 from .publish import save_drafter
 
@@ -91,7 +91,7 @@ def adopt_checkpoint(cfg, old):
 def _val_of(c):
     "A run's validation split as the held-out figure sees it: its file, or the extraction the user gave, and how much of it is read."
     d = c.get('val_data'); d = None if d in (None, 'none') else str(Path(d).resolve())
-    x = None if d or not c.get('val_extracted') else str(Path(c['val_extracted']).resolve())
+    x = None if d or not (v := c.get('val_extracted')) else parse_url(v, 'val_extracted') or str(Path(v).resolve())   # a store's URL as it is
     return dict(val_data=d, val_extracted=x, val_samples=c.get('val_samples'), val_anchors=c.get('val_anchors'))
 
 def _same_target(ck, target):
@@ -108,7 +108,7 @@ def _resume_changes(ck, st, cfg, data_sha256):
     if 'target' in diff and _same_target(ck, cfg.target):
         print(f"resume: the target moved ({diff.pop('target')[0]} -> {cfg.target}); its config is the same: the same target", flush=True)
     if st.get('data_sha256') and data_sha256 and st['data_sha256'] != data_sha256: diff['data'] = (st['data_sha256'][:12], data_sha256[:12])
-    if (w := st.get('target_weights_sha256')) and 'target' not in diff and (w2 := weights_sha256(cfg.target)) and w2 != w:
+    if (w := st.get('target_weights_sha256')) and 'target' not in diff and other_weights(w, cfg.target) and (w2 := weights_sha256(cfg.target)):
         diff['target_weights'] = (f'sha256 {w[:12]}', f'sha256 {w2[:12]}')            # the same config, other weights: fine-tuned or replaced (as 'data': not a setting)
     if (p := st.get('profile_sha256')) and cfg.engine_profile and 'engine_profile' not in diff and (p2 := profile_sha256(read_profile(cfg.engine_profile))) != p:
         diff['engine_profile'] = (f'{cfg.engine_profile}, costs sha256 {p[:12]}', f'{cfg.engine_profile}, costs sha256 {p2[:12]}')   # one path, other costs

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 from .model import DFlashConfig, DFlashDraftModel, drafter_config
-from .draft_vocab import DFlashVocabDraftModel
+from .draft_vocab import DFlashVocabDraftModel, check_vocab_maps
 from .dflash2 import DFlash2DraftModel, as_dflash2
 from .dspark import DSparkDraftModel, dspark_config, PAPER, PAPER_GAMMA
 
@@ -60,7 +60,9 @@ def _served_vocab(config):
     return json.loads((Path(config) / 'config.json').read_text()).get('draft_vocab_size')
 
 def drafter_class(config):
-    "The drafter class of a config or a checkpoint directory (`design_of`): its served form's when it has a draft vocabulary (`draft_vocab_size`)."
+    """The drafter class of a config or a checkpoint directory (`design_of`): its served form's when it has a draft vocabulary (`draft_vocab_size`).
+    A directory's vocabulary maps are checked first (`check_vocab_maps`): every job's load of a drafter comes here."""
+    if isinstance(config, (str, Path)): check_vocab_maps(config)
     d = design_of(config)
     if not _served_vocab(config): return d.model
     if d.served_vocab is None: raise ValueError(f'draft_vocab_size: a {d.architecture} drafter has no served form with a vocabulary of its own (DFlash has)')

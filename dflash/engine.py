@@ -21,6 +21,7 @@ from .draft_vocab import full_form, add_gguf_head
 from .evaluate import load_prompts, load_drafter, evaluate, check_inputs
 from .speedup import write_profile, predict, PROFILE_FILE
 from .shards import ExtractedDataset
+from .store import manifest_at
 from .validate import heldout_acceptance
 from .llamacpp import LLAMACPP, TAPPED, TAP_HOW, converter, needs_tap, tap_built, xllamacpp
 
@@ -338,8 +339,9 @@ class EngineConfig(Job):
                           "out/engine-profile.json (what dflash_train --engine-profile reads), and the speed-up predicted from them beside the measured one")
     profile_lengths: str | None = param(None, "with profile: the drafted lengths it measures, comma-separated; None: 1 .. all the drafter drafts",
                                         needs=(lambda j: j.profile, 'profile'))
-    val_extracted: str | None = param(None, "with profile: an extraction of held-out replies at the drafter's taps, whose held-out acceptance "
-                                      "predicts the speed-up at each length", needs=(lambda j: j.profile, 'profile'))
+    val_extracted: str | None = param(None, "with profile: an extraction of held-out replies at the drafter's taps (a folder or a store URL), "
+                                      "whose held-out acceptance predicts the speed-up at each length", needs=(lambda j: j.profile, 'profile'),
+                                      where='store')
     out: str | None = param(None, 'engine.json; None: runs/engine')
 
     def check(self):
@@ -352,8 +354,7 @@ class EngineConfig(Job):
         if self.profile_lengths is not None:
             try: self.profile_lengths = ','.join(str(n) for n in sorted({int(x) for x in str(self.profile_lengths).split(',')}))
             except ValueError: raise ValueError(f'profile_lengths={self.profile_lengths!r}: drafted lengths, comma-separated (e.g. 1,2,3,7)') from None
-        if self.val_extracted is not None and not (Path(self.val_extracted) / 'manifest.json').is_file():
-            raise FileNotFoundError(f'val_extracted: {self.val_extracted} is not an extraction (no manifest.json)')
+        if self.val_extracted is not None: manifest_at(self.val_extracted, 'val_extracted')
         if self.out is None: self.set('out', str(RUNS / 'engine'), 'default')
         return self
 
@@ -411,7 +412,7 @@ def _profiled(job, out, prompts, tgt):
     acc = None
     if job.val_extracted:
         m = load_drafter(job.drafter, tgt or load_target(job.target))
-        acc = heldout_acceptance(m, ExtractedDataset(job.val_extracted))['val_accept']
+        with ExtractedDataset(job.val_extracted) as x: acc = heldout_acceptance(m, x)['val_accept']   # a store's shards: no copy left
     pred = {r['n']: r for r in predict(acc, prof)['rows']} if acc else {}
     rows = [dict(n=n, tau=c['tau'], speedup=c['speedup'], speedup_range=c['speedup_range'], tokens_per_s=c['tokens_per_s'],
                  predicted=pred[n]['speedup'] if n in pred else None, predicted_tau=pred[n]['tau'] if n in pred else None,

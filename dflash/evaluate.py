@@ -140,7 +140,8 @@ def load_drafter(path, target):
     try: model.tree_temperatures = read_tree_temperatures(path, model.draft_len)
     except ValueError as e:                                  # a broken file: chains never read it, a tree refuses (`tree_scale`)
         warnings.warn(f'{e}: only its trees need it', stacklevel=2); model.tree_temperatures_problem = str(e)
-    return model.to(device=target.device, dtype=target.dtype).attach_target(target).eval()
+    model = model.to(device=target.device, dtype=target.dtype).attach_target(target).eval()
+    return model.check_head(path) if hasattr(model, 'check_head') else model   # a vocabulary of its own: its head against the target's
 
 def check_inputs(drafter, target, extracted=None):
     """The one check of every job that reads a drafter with a target, and an extraction: the drafter was trained for `target` (what its

@@ -8,7 +8,7 @@ __all__ = ['HostRing', 'to_host', 'find_token_budget', 'Extractor', 'plan_batche
 # %% ../nbs/extract.ipynb #f902216b
 import ctypes, hashlib, json, os, queue, signal, threading, time, traceback
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
@@ -23,7 +23,7 @@ from .metrics import Monitor, plot_throughput
 from .track import Trackers, check_trackers, report_to_param
 from .shards import (ShardWriter, ExtractedDataset, open_out, read_manifest, update_manifest, shard_sample_ids, run_lock,
                            quantize_fp8, MANIFEST, _totals)
-from .mirror import open_store, Mirror, StagingRoom
+from .mirror import open_store, Mirror, StagingRoom, StoreLease, claim_staging
 from .store import Store, is_url
 
 # %% ../nbs/extract.ipynb #679a5e28
@@ -286,7 +286,7 @@ class ExtractConfig(Job):
     target: str | None = target_param()
     data: str | None = data_param()
     out: str | None = param(None, 'output directory (shards, manifest.json, metrics.jsonl), or an object store URL (s3://bucket/prefix, gs://..., '
-                            'file://...: shards staged locally, uploaded as they are written); None: runs/extract')
+                            'file://...: shards staged locally, uploaded as they are written); None: runs/extract', where='store')
     gpus: int = param(0, '0: one CPU worker; N: one worker process per GPU', min=0)
     token_budget: int | str = param('auto', "padded tokens per batch, or 'auto' (probe the GPU's memory; CPU: 8192)", min=1)
     max_batch_size: int = param(DEFAULT_MAX_BATCH_SIZE, 'samples per batch at most', min=1)
@@ -306,7 +306,8 @@ class ExtractConfig(Job):
                               "the writer's queue need it; a larger batch is copied through pageable memory)", gt=0)
     workers: int | None = param(None, 'CPU worker processes (with gpus=0)', min=1)
     mem_limit_tokens: int | None = param(None, 'treat batches over this many padded tokens as out of memory (testing)', min=1)
-    staging_dir: str | None = param(None, 'out=URL: the local folder shards wait in until the store holds them; None: $DFLASH_CACHE/staging/<URL hash>')
+    staging_dir: str | None = param(None, "out=URL: the local folder shards wait in until the store holds them (empty, or this URL's staging); "
+                                    'None: $DFLASH_CACHE/staging/<URL hash>', where='local')
     staging_disk_gb: float = param(16.0, 'out=URL: local disk the staged shards may take, GiB at most (a worker waits for uploads beyond it); '
                                    'at least one shard per worker and one more', gt=0)
     uploads: int = param(2, 'out=URL: shards uploaded at once', min=1)
@@ -363,9 +364,10 @@ def extract(*args, model=None, **kw):
         raise RuntimeError(f'gpus={job.gpus}, but torch sees {torch.cuda.device_count()} CUDA devices')
     t0 = time.time()
     store = Store(job.out, retries=job.store_retries).check() if is_url(job.out) else None   # a bad URL or credentials: told before any work
+    if store: claim_staging(_staging(job, store), store.url, ours=not job.staging_dir)   # this URL's staging, or refused: nothing deleted
     out = claim_out(_staging(job, store) if store else job.out, job); out.mkdir(parents=True, exist_ok=True)
     print(job.announce())
-    with run_lock(out), _sigterm_stops():
+    with run_lock(out), _sigterm_stops(), StoreLease(store, out) if store else nullcontext() as lease:   # the prefix is this run's alone
         n_workers = job.gpus or job.workers or 1
         dt = parse_dtype(job.dtype, job.gpus > 0)
         store_dt = None if job.store_dtype is None else 'fp8' if job.store_dtype == 'fp8' else dtype_name(parse_dtype(job.store_dtype))
@@ -395,7 +397,7 @@ def extract(*args, model=None, **kw):
                    staging_bytes=int(job.staging_gb * 2**30), staging_limit=int(job.staging_disk_gb * 2**30) if store else None,
                    threads=max(1, torch.get_num_threads() // n_workers) if not job.gpus and n_workers > 1 else None)
         tr = Trackers(job.report_to if todo else 'none', out, config=job.to_dict(), resume=not job.overwrite, resume_step=len(done))
-        mirror = Mirror(store, out, job.uploads) if store else None      # uploads each shard as it is written (a store)
+        mirror = Mirror(store, out, job.uploads, lease=lease) if store else None   # uploads each shard as it is written (a store)
         mon = Monitor(out, sum(map(len, todo)), int(sum(lengths[b].sum() for b in todo)), job.log_every, job.progress, tr, len(done),
                       upload=mirror.status if mirror else None)
         report, ok = (lambda msg: (mirror.check(), mon(msg))) if mirror else mon, False

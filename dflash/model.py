@@ -56,6 +56,7 @@ class DFlashConfig(Qwen3Config):
     target_model: str | None = None
     target_revision: str | None = None
     target_config_sha256: str | None = None
+    target_weights_sha256: str | None = None  # the target's weights it was trained for (`taps.weights_sha256`)
     is_causal: bool | None = None
     draft_vocab_size: int | None = None       # a served form with a head of its own over this many tokens (`draft_vocab.ipynb`)
 

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['tap_columns', 'select_taps', 'trainable', 'to_specforge', 'read_specforge', 'to_speculators', 'read_speculators',
-           'capture', 'capture_gap', 'peer_shape', 'import_drafter']
+           'capture', 'capture_gap', 'peer_shape', 'check_weights', 'import_drafter']
 
 # %% ../nbs/peers.ipynb #56729bdd
 import json, torch
@@ -13,8 +13,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file, load_file
 from .core import file_sha256, write_json_atomic
 from .shards import ExtractedDataset, read_manifest, MANIFEST
-from .taps import load_target_config, config_sha256, target_name
-from .model import drafter_config
+from .store import is_url
+from .taps import load_target_config, config_sha256, weights_sha256, target_name
+from .model import drafter_config, DFlashDraftModel
 
 # %% ../nbs/peers.ipynb #21658f1d
 def tap_columns(layer_ids, want, hidden):
@@ -22,21 +23,30 @@ def tap_columns(layer_ids, want, hidden):
     if missing := [i for i in want if i not in layer_ids]: raise ValueError(f'taps {missing} are not in the extraction (it holds {list(layer_ids)})')
     return torch.cat([torch.arange(hidden) + layer_ids.index(i) * hidden for i in want])
 
+def _small_file(xds, name):
+    "The bytes of the file `name` beside the extraction `xds` (in its folder or store), or None."
+    try: return xds.store.read_bytes(name) if xds.store else (xds.out / name).read_bytes()
+    except FileNotFoundError: return None
+
 def select_taps(src, out, layer_ids):
-    "Write to `out` the extraction `src` (complete) at the taps `layer_ids` only; returns `out`. Done once: a complete `out` at those taps is kept."
-    src, out = Path(src), Path(out)
-    m = ExtractedDataset(src, require_complete=True).manifest
-    if (old := read_manifest(out)) and old.get('complete') and old['layer_ids'] == list(layer_ids) and old['dataset_sha256'] == m['dataset_sha256']: return out
-    cols, shards = tap_columns(m['layer_ids'], list(layer_ids), m['hidden_size']), []
-    out.mkdir(parents=True, exist_ok=True)
-    for s in m['shards']:
-        with safe_open(src / s['file'], 'pt') as f: meta, ts = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
-        ts['hidden_states'] = ts['hidden_states'][:, cols].contiguous()
-        save_file(ts, out / s['file'], metadata={**meta, 'layer_ids': str(list(layer_ids))})
-        shards.append({**s, 'sha256': file_sha256(out / s['file']), 'bytes': (out / s['file']).stat().st_size})
-    for name in ('config.json', 'dataset.json'):
-        if (src / name).exists(): (out / name).write_bytes((src / name).read_bytes())
-    write_json_atomic(out / MANIFEST, {**m, 'layer_ids': list(layer_ids), 'shards': shards, 'tapped_from': str(src)})
+    """Write to the folder `out` the extraction `src` (a folder or a store URL; complete) at the taps `layer_ids` only; returns `out`. Done
+    once: a complete `out` at those taps is kept."""
+    if is_url(out): raise ValueError(f'out: {out}: select_taps writes a local folder (upload it with dflash_extract, or read it from here)')
+    out = Path(out)
+    with ExtractedDataset(src, require_complete=True) as xds:
+        m = xds.manifest
+        old = read_manifest(out)
+        if old and old.get('complete') and old['layer_ids'] == list(layer_ids) and old['dataset_sha256'] == m['dataset_sha256']: return out
+        cols, shards = tap_columns(m['layer_ids'], list(layer_ids), m['hidden_size']), []
+        out.mkdir(parents=True, exist_ok=True)
+        for j, s in enumerate(m['shards']):
+            with safe_open(xds.shard_path(j), 'pt') as f: meta, ts = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+            ts['hidden_states'] = ts['hidden_states'][:, cols].contiguous()
+            save_file(ts, out / s['file'], metadata={**meta, 'layer_ids': str(list(layer_ids))})
+            shards.append({**s, 'sha256': file_sha256(out / s['file']), 'bytes': (out / s['file']).stat().st_size})
+        for name in ('config.json', 'dataset.json'):
+            if (b := _small_file(xds, name)) is not None: (out / name).write_bytes(b)
+        write_json_atomic(out / MANIFEST, {**m, 'layer_ids': list(layer_ids), 'shards': shards, 'tapped_from': str(xds.out)})
     return out
 
 # %% ../nbs/peers.ipynb #b08381f3
@@ -54,7 +64,8 @@ def to_specforge(xds, out, dtype=None):
         if not trainable(s['loss_mask']): skipped.append(s['sample_id']); continue
         f = out / f"rows_{s['sample_id'] // 1000:04d}" / f"data_{s['sample_id']:07d}.ckpt"
         f.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(dict(input_ids=s['input_ids'].long(), loss_mask=s['loss_mask'].long(), hidden_states=s['hidden_states'].to(dtype or s['hidden_states'].dtype)), f)
+        hs = s['hidden_states'].to(dtype or s['hidden_states'].dtype).clone()   # its rows only, not the shard's storage they are a view of
+        torch.save(dict(input_ids=s['input_ids'].long(), loss_mask=s['loss_mask'].long(), hidden_states=hs), f)
         n += 1
     return dict(written=n, left_out=skipped)
 
@@ -122,20 +133,42 @@ def peer_shape(c):
                 is_causal=causal)
 
 # %% ../nbs/peers.ipynb #7500798b
+def check_weights(sd, cfg, where):
+    """The tensors of the drafter weights `sd` that its `DFlashConfig` `cfg` implies (`fc`, the norms, `layers.*`), each checked there with
+    its shape, and no layer past `num_hidden_layers`; a `ValueError` naming the file `where` and what does not fit."""
+    with torch.device('meta'): want = {k: tuple(v.shape) for k, v in DFlashDraftModel(cfg).state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in sd.items() if k in want or k.startswith('layers.')}
+    part = lambda k: '.'.join(k.split('.')[:2]) + '.*' if k.startswith('layers.') else k          # a layer's tensors, said together
+    said = lambda ks: list(dict.fromkeys(part(k) if all(j in ks for j in {**want, **got} if part(j) == part(k)) else k for k in ks))
+    bad = ([f'{k} is missing' for k in said([k for k in want if k not in got])]
+           + [f'{k} is past num_hidden_layers {cfg.num_hidden_layers}' for k in said([k for k in got if k not in want])]
+           + [f'{k} is {list(got[k])}, the config makes it {list(s)}' for k, s in want.items() if k in got and got[k] != s])
+    if bad: raise ValueError(f'{where}: the weights do not fit the config (num_hidden_layers {cfg.num_hidden_layers}, hidden_size '
+                             f'{cfg.hidden_size}, taps {cfg.target_layer_ids}): ' + '; '.join(bad[:4])
+                             + (f'; and {len(bad) - 4} more' if len(bad) > 4 else ''))
+    return {k: sd[k].contiguous() for k in want}
+
 def import_drafter(src, out, target, mask_token_id=None):
     """A drafter of ours in `out` from a peer's saved folder `src` (config.json, model.safetensors) for `target` (a path or hub id):
-    our config for the target with the peer's shape, its weights as saved. `mask_token_id`: where the peer's config lacks it."""
+    our config for the target with the peer's shape, its weights as saved, each checked against that config (`check_weights`).
+    `mask_token_id`: where the peer's config lacks it."""
     src, out = Path(src), Path(out)
     c, tc = json.loads((src / 'config.json').read_text()), load_target_config(target)
-    shape = peer_shape(c)
+    try: shape = peer_shape(c)
+    except KeyError as e:
+        raise ValueError(f'{src / "config.json"} has no {e.args[0]!r}: not a DFlash drafter\'s config (its taps: dflash_config.target_layer_ids, '
+                         'or speculators\' aux_hidden_state_layer_ids; its layers: num_hidden_layers ...)') from None
     if shape['mask_token_id'] is None: shape['mask_token_id'] = mask_token_id
     if shape['mask_token_id'] is None: raise ValueError(f'{src / "config.json"} names no mask token: pass mask_token_id (the one it trained with)')
     if not shape['head_dim']: shape.pop('head_dim')
-    cfg = drafter_config(tc, **shape, target_model=target_name(target), target_config_sha256=config_sha256(tc))
-    sd = load_file(src / 'model.safetensors')
-    want = {'fc.weight', 'hidden_norm.weight', 'norm.weight'}
-    if missing := sorted(want - set(sd)): raise ValueError(f'{src / "model.safetensors"} lacks {missing}: not a DFlash drafter')
+    cfg = drafter_config(tc, **shape, target_model=target_name(target), target_config_sha256=config_sha256(tc),
+                         target_weights_sha256=weights_sha256(target))
+    try: sd = load_file(src / 'model.safetensors')
+    except Exception as e:
+        raise ValueError(f'{src / "model.safetensors"}: not a readable safetensors file ({type(e).__name__}: {e}): a damaged or truncated '
+                         'copy?') from None
+    sd = check_weights(sd, cfg, src / 'model.safetensors')
     out.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(out)
-    save_file({k: v.contiguous() for k, v in sd.items() if k in want or k.startswith('layers.')}, out / 'model.safetensors', metadata={'format': 'pt'})
+    save_file(sd, out / 'model.safetensors', metadata={'format': 'pt'})
     return out

@@ -6,9 +6,9 @@
 __all__ = ['check_drafter', 'unused_special_tokens', 'mask_token_choice', 'mask_token_for', 'save_drafter', 'model_card']
 
 # %% ../nbs/publish.ipynb #de9bad80
-import json
+import json, sys
 from pathlib import Path
-from .taps import config_sha256
+from .taps import config_sha256, other_weights
 from .dspark import STS_FILE, STS_BOUND, read_sts, sts_at_bound
 from .tree import stale_tree_temperatures
 
@@ -23,6 +23,10 @@ def check_drafter(dconfig, target_config, target=''):
     if not problems and dconfig.target_config_sha256 and dconfig.target_config_sha256 != config_sha256(target_config):
         problems.append(f"it was trained for {dconfig.target_model or 'another target'}, whose config differs")
     if problems: raise ValueError(f'the drafter does not fit the target {target}: ' + '; '.join(problems))
+    if target and other_weights(w := getattr(dconfig, 'target_weights_sha256', None), target):
+        print(f"warning: the drafter was trained for the weights of {dconfig.target_model or 'another target'} (sha256 {w[:12]}), and the target "
+              f'{target} has other weights (the same config: fine-tuned or replaced): it accepts less than was measured; train it for these',
+              file=sys.stderr, flush=True)
     return dconfig
 
 # %% ../nbs/publish.ipynb #9eb314ed

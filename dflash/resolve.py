@@ -253,7 +253,8 @@ def frequent_labels(cfg, vocab_size):
 def drafter_for(cfg, tcfg, mask_token_id):
     """The `DFlashConfig` of the run's drafter for the target of config `tcfg`: its `init_from` checkpoint's, else one its design makes from
     the run's settings. A DFlash2 run starts from a DFlash drafter's config (the trainer copies that drafter into a DFlash2: its design's `start`)."""
-    ids = dict(target_model=target_name(cfg.target), target_revision=target_revision(cfg.target), target_config_sha256=config_sha256(tcfg))
+    ids = dict(target_model=target_name(cfg.target), target_revision=target_revision(cfg.target), target_config_sha256=config_sha256(tcfg),
+               target_weights_sha256=weights_sha256(cfg.target))
     if cfg.init_from:
         c = init_config(cfg.init_from); c.update(ids); c.dflash_config['mask_token_id'] = mask_token_id
         c.__dict__.pop('auto_map', None)                  # its remote code is not saved beside ours
@@ -310,7 +311,7 @@ class Run:
         dt = parse_dtype(c.dtype, rank_device(c, 0).type == 'cuda')
         n = batch_bytes(1, c.token_budget, len(c.layer_ids) * H, dt, H if self.final_states else 0)
         return (f"  held in bytes: the HS queue at most {c.q_gb:g} GiB a drafter rank ({int(c.q_gb * 2**30 // n)} batches of {n / 2**20:,.1f} MiB at "
-                f"the token budget), a flex mask at most {c.mask_mb:g} MiB while it is built")
+                "the token budget)" + (f', a flex mask at most {c.mask_mb:g} MiB while it is built' if rank_device(c, 0).type == 'cuda' else ''))
 
     def describe(self):
         "The settings table the job prints as it starts: every setting and where it came from, then what was resolved from them."
@@ -346,6 +347,10 @@ def _settings(cfg, out):
     check_best_by(cfg.best_by, cfg.val_tree_budgets, cfg.engine_profile)   # against the budgets and profile the run reads (a resume's adopted ones)
     cfg.target = target_name(cfg.target)
     tcfg = load_target_config(cfg.target); L = text_config(tcfg).num_hidden_layers
+    if cfg.train_vocab and cfg.train_vocab >= (V := text_config(tcfg).vocab_size):   # before a resume compares it: the value it runs with
+        cfg.warn(f"train_vocab={cfg.train_vocab} is not below the target's vocabulary of {V:,} tokens: the loss scores the whole head, and no "
+                 'drafter-vocab/ is published (it would save nothing); train_vocab 0')
+        cfg.set('train_vocab', 0, f"the target's vocabulary has {V:,} tokens")
     if cfg.init_from: resolve_init_from(cfg, tcfg)                   # before any default: unset settings are the checkpoint's
     resolve_arch(cfg, tcfg)
     cfg.check_loss()                                                 # a resume's adopted design and loss terms, before anything is written

@@ -8,15 +8,16 @@ __all__ = ['LAYER_PATHS', 'DTYPES', 'TARGET_LOADS', 'default_layer_ids', 'check_
            'final_norm', 'logit_transform', 'target_logits', 'parse_dtype', 'dtype_name', 'peak_mem_bytes',
            'gpus_present', 'auto_device', 'launcher_child', 'gpu_count', 'torch_floor', 'environment', 'resolve_target',
            'target_name', 'target_revision', 'load_tokenizer', 'load_target', 'load_target_config', 'load_target_io',
-           'tokenizer_sha256', 'config_sha256', 'weights_sha256']
+           'tokenizer_sha256', 'config_sha256', 'file_fingerprint', 'weights_sha256', 'other_weights']
 
 # %% ../nbs/taps.ipynb #05c80b55
-import functools, hashlib, importlib.util, json, os, resource, subprocess
+import functools, hashlib, importlib.util, json, os, re, resource, subprocess
 from contextlib import contextmanager
 from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from .core import cache_dir, env_device, file_sha256, write_json_atomic
 
 # %% ../nbs/taps.ipynb #e8103ffc
 def default_layer_ids(num_target_layers, num_draft_layers=5):
@@ -223,7 +224,7 @@ def gpus_present():
 def auto_device(index=0):
     """The device of a job that names none: `DFLASH_DEVICE` if set, GPU `index` (round-robin) where torch can use one, else the CPU, unless
     the machine has GPUs torch cannot use: an error, not a quiet run on the CPU."""
-    if env := os.environ.get('DFLASH_DEVICE'): return torch.device(env)
+    if (env := env_device()) is not None: return env              # DFLASH_DEVICE, checked (core.ipynb)
     if torch.cuda.is_available(): return torch.device(f'cuda:{index % torch.cuda.device_count()}')
     if gpus := gpus_present():
         why = (f'torch {torch.__version__} is a CPU build: install a CUDA build of it' if torch.version.cuda is None else
@@ -365,28 +366,64 @@ def config_sha256(config):
     d = {k: v for k, v in config.to_dict().items() if k not in ('transformers_version', '_name_or_path', 'torch_dtype', 'dtype', '_commit_hash')}
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
 
-def weights_sha256(target, reads=16, size=1 << 16):
-    """A fingerprint of `target`'s weights that reads a few MiB, not the whole model: each safetensors file's name, size and header (every
-    tensor's name, dtype, shape and place) and `reads` evenly spaced reads of `size` bytes of its data. A fine-tuned, retrained or requantized
-    target with the same config changes it. A hub target: the files in its local cache (nothing is downloaded). None where the files
-    are not all there: nothing to compare."""
+def _weight_paths(target):
+    "{file name: local path} of `target`'s safetensors (a hub target's: in the local cache, never downloaded); None where not all are here."
+    s = resolve_target(target)
+    if Path(s).is_dir(): names, path = _weight_index(s)
+    else:
+        from huggingface_hub import try_to_load_from_cache
+        idx = try_to_load_from_cache(s, 'model.safetensors.index.json')
+        names = json.loads(Path(idx).read_text())['weight_map'] if isinstance(idx, str) else {'': 'model.safetensors'}
+        path = lambda f: Path(p) if isinstance(p := try_to_load_from_cache(s, f), str) else None
+    files = {name: path(name) for name in sorted(set(names.values()))}
+    return None if not files or None in files.values() else files
+
+def file_fingerprint(f):
+    """The sha256 of the file `f`, each byte counted once and read at most once: a Hugging Face cache's file is a blob named by its sha256
+    (nothing is read); any other is read once, its sha256 remembered in `$DFLASH_CACHE/sha256/` by its path, size and mtime."""
+    real = Path(f).resolve()
+    if real.parent.name == 'blobs' and re.fullmatch('[0-9a-f]{64}', real.name): return real.name
+    st, memo = real.stat(), cache_dir() / 'sha256' / f'{hashlib.sha256(str(real).encode()).hexdigest()[:32]}.json'
+    key = dict(path=str(real), size=st.st_size, mtime_ns=st.st_mtime_ns)
     try:
-        s = resolve_target(target)
-        if Path(s).is_dir(): names, path = _weight_index(s)
-        else:                                                          # a hub id: the files in the local cache, never a download
-            from huggingface_hub import try_to_load_from_cache
-            idx = try_to_load_from_cache(s, 'model.safetensors.index.json')
-            names = json.loads(Path(idx).read_text())['weight_map'] if isinstance(idx, str) else {'': 'model.safetensors'}
-            path = lambda f: Path(p) if isinstance(p := try_to_load_from_cache(s, f), str) else None
-        files = {name: path(name) for name in sorted(set(names.values()))}
-        if not files or None in files.values(): return None             # not all of it here: nothing to compare
-        h = hashlib.sha256()
-        for name, f in files.items():
-            n = f.stat().st_size
-            with open(f, 'rb') as fh:
-                head = int.from_bytes(fh.read(8), 'little'); h.update(f'{name} {n} '.encode()); h.update(fh.read(head))
-                data = n - 8 - head
-                for i in range(reads):
-                    fh.seek(8 + head + max(0, data - size) * i // max(1, reads - 1)); h.update(fh.read(size))
-        return h.hexdigest()
+        if {k: (m := json.loads(memo.read_text())).get(k) for k in key} == key: return m['sha256']
+    except (OSError, ValueError): pass
+    sha = file_sha256(real)
+    if (real.stat().st_size, real.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns):      # not changed while it was read
+        try: memo.parent.mkdir(parents=True, exist_ok=True); write_json_atomic(memo, dict(key, sha256=sha)); _prune(memo.parent)
+        except OSError: pass                                           # a cache we cannot write: read again next time
+    return sha
+
+def _prune(folder, most=4096):
+    "Past `most` remembered files, forget those whose file is gone."
+    if len(memos := list(folder.glob('*.json'))) <= most: return
+    for p in memos:
+        try: gone = not Path(json.loads(p.read_text())['path']).exists()
+        except (OSError, ValueError, KeyError, TypeError): gone = True
+        if gone: p.unlink(missing_ok=True)
+
+def weights_sha256(target):
+    """A fingerprint of `target`'s weights that sees every byte: the sha256 of each safetensors file (`file_fingerprint`), by file name.
+    A fine-tuned, retrained or requantized target with the same config changes it, down to one value of one tensor. None where the files
+    are not all here (a hub target's: in the local cache; nothing is downloaded): nothing to compare."""
+    try:
+        if (files := _weight_paths(target)) is None: return None
+        return hashlib.sha256(''.join(f'{name} {file_fingerprint(f)}\n' for name, f in files.items()).encode()).hexdigest()
     except Exception: return None                                      # no safetensors to read: nothing to compare
+
+def _sampled_sha256(target, reads=16, size=1 << 16):
+    "The fingerprint dflash recorded before `weights_sha256` saw every byte (each file's header and 16 reads of 64 KiB), for records it made then."
+    h = hashlib.sha256()
+    for name, f in _weight_paths(target).items():
+        n = f.stat().st_size
+        with open(f, 'rb') as fh:
+            head = int.from_bytes(fh.read(8), 'little'); h.update(f'{name} {n} '.encode()); h.update(fh.read(head))
+            for i in range(reads): fh.seek(8 + head + max(0, n - 8 - head - size) * i // max(1, reads - 1)); h.update(fh.read(size))
+    return h.hexdigest()
+
+def other_weights(recorded, target):
+    """Are `target`'s weights other than those whose `weights_sha256` was `recorded`? False where either is not known; a record made before it
+    saw every byte is compared as it was made (`_sampled_sha256`)."""
+    if not recorded or (now := weights_sha256(target)) is None or recorded == now: return False
+    try: return recorded != _sampled_sha256(target)
+    except Exception: return True

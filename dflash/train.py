@@ -7,6 +7,7 @@ __all__ = ['run_target', 'run_rank', 'run_drafter', 'run_job', 'train', 'train_c
 
 # %% ../nbs/train.ipynb #1cd6cc48
 import hashlib, json, os, signal, sys, threading, time, traceback
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 import numpy as np
@@ -138,6 +139,7 @@ def run_drafter(run, coord, d, plan, ds, device, group, pg, stop):
         append_jsonl(trainer.out / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
     validator = (Validator(cfg.val_extracted, cfg.out, cfg.token_budget, cfg.val_anchors, cfg.val_samples, cfg.eval_max_new_tokens, cfg.seed,
                            step=trainer.step, remeasure=bool(set(trainer.changed) & set(VAL_KEYS)),
+                           other_weights='target_weights' in trainer.changed,
                            tree_budgets=[] if tree_budgets(cfg.val_tree_budgets) == 'none' else tree_budgets(cfg.val_tree_budgets), best_by=cfg.best_by,
                            profile=run.profile)
                  if d == 0 and cfg.val_extracted else None)
@@ -151,7 +153,7 @@ def run_drafter(run, coord, d, plan, ds, device, group, pg, stop):
     q_bytes = int(cfg.q_gb * 2**30)
     src = (OnlineSource(coord, pg, d, cfg.targets, cfg.drafters, start, plan.total_micro, device, max_bytes=q_bytes) if cfg.online
            else OfflineSource(ds, plan, d, start, plan.total_micro, device, depth=cfg.q_depth, max_bytes=q_bytes))
-    with trainer.trackers:
+    with trainer.trackers, validator or nullcontext():                  # a validation split's reading ends with the run
         stopped = trainer.run(src, stop.is_set, tau if probe else None, validate if validator else None)
         res = dict(step=trainer.step, total_steps=plan.total_steps, stopped=stopped, out=cfg.out)
         if stopped: coord.request_stop(stopped)

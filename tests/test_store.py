@@ -297,3 +297,15 @@ def test_killed_mid_upload_then_resume(s3, local):
     code, s, err = extract_cli(s3, url)
     assert code == 0 and s['complete'], err[-3000:]
     whole(url, local)
+
+
+def test_no_credentials_are_named_at_once(s3, tmp_path):
+    "Issue 59, 12: missing credentials were retried as a network fault (minutes), and the hint named the endpoint, not the credentials."
+    none = tmp_path / 'none'
+    env = {k: v for k, v in s3['env'].items() if k not in ('AWS_ACCESS_KEY_ID', 'AWS_SECRET_ACCESS_KEY', 'AWS_PROFILE', 'AWS_SESSION_TOKEN')}
+    env.update(AWS_EC2_METADATA_DISABLED='true', AWS_SHARED_CREDENTIALS_FILE=str(none), AWS_CONFIG_FILE=str(none))
+    t0 = time.time()
+    r = subprocess.run([str(a) for a in [BIN / 'dflash_extract', '--out', 's3://dflash-test/nocreds', '--staging-dir', tmp_path / 'st', '--no-progress']],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and 's3://dflash-test/nocreds: no credentials for the store' in r.stderr and 'AWS_ACCESS_KEY_ID' in r.stderr, r.stderr[-2000:]
+    assert 'unreachable' not in r.stderr and time.time() - t0 < 60 and not (tmp_path / 'st').exists()

@@ -108,19 +108,35 @@ def test_extraction_copies_to_the_host_through_a_ring_of_fixed_bytes(tmp_path, m
 
 
 def test_the_lossless_loop_in_bf16_allows_near_ties_only(tok):
-    """The embedded target in bf16 (on a GPU, its dtype): a verify forward and one-token decoding round differently, and on these three
-    prompts the speculative output parts from the target's greedy output at a near-tie (a margin of at most one bf16 step). That is
-    lossless (`identical` False); a reference from another target is still caught. Before: 'NOT lossless', and `make demo`'s assert."""
+    """The embedded target in bf16 (on a GPU, its dtype): a verify forward and one-token decoding may round differently, and where the
+    speculative output parts from the target's greedy output it must be at a near-tie (a margin of a few bf16 steps). That is lossless
+    (`identical` False); a reference from another target is still caught. Whether this CPU's bf16 kernels part anywhere depends on the
+    CPU (on some, every prompt is identical), so the near-tie is also made: a reference that takes the target's second choice where it is
+    within a near-tie of the first. Before: 'NOT lossless', and `make demo`'s assert."""
     import warnings
     from transformers import AutoModelForCausalLM
     from dflash.core import TINY_TARGET
-    from dflash.evaluate import evaluate, load_prompts, greedy_decode
+    from dflash.evaluate import evaluate, load_prompts, greedy_decode, greedy_reference, NEAR_TIE_ULPS
     target = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.bfloat16).eval()
     torch.manual_seed(0)
     d = DFlashDraftModel(drafter_config(target.config, 1, 16, tok.mask_token_id, [1, 2])).to(torch.bfloat16).attach_target(target).eval()
     ps = [load_prompts(tok, n=16)[i] for i in (5, 6, 9)]
     r = evaluate(target, d, ps, 40, strict=True, warmup=False)
-    assert r['lossless'] and not all(p['identical'] for p in r['per_prompt'])
+    assert r['lossless']
+    outs = greedy_reference(target, ps, 40)['outputs']                # as evaluate decodes it: up to the target's EOS
+    ties = []                                                         # (gap in bf16 steps, prompt, position, the second choice)
+    for k, (p, o) in enumerate(zip(ps, outs)):
+        with torch.no_grad(): lg = target(torch.tensor([list(p) + list(o[:-1])])).logits[0, len(p) - 1:].float()
+        top = lg.topk(2, -1)
+        ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(top.values[:, 0].abs())))
+        gap = (top.values[:, 0] - top.values[:, 1]) / ulp
+        i = int(gap[:-1].argmin())                                    # not the last token: the reference goes on after it
+        ties.append((float(gap[i]), k, i, next(int(t) for t in top.indices[i] if int(t) != o[i])))   # the choice greedy did not take
+    g, k, i, second = min(ties)
+    assert g <= NEAR_TIE_ULPS, f'no near-tie in {len(ps)} prompts x 40 tokens (the closest {g:.1f} bf16 steps)'
+    tie = [list(o) for o in outs]; tie[k][i] = second
+    r = evaluate(target, d, ps, 40, reference=dict(outputs=tie, time_s=[1.0] * 3), warmup=False)
+    assert r['lossless'] and not r['per_prompt'][k]['identical']
     other = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.bfloat16).eval()
     with torch.no_grad(): other.lm_head.weight.mul_(-1)                   # its greedy choices are the target's worst
     bad = dict(outputs=[greedy_decode(other, p, 40) for p in ps], time_s=[1.0] * 3)

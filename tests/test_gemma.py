@@ -100,7 +100,9 @@ def test_a_drafter_on_gemma_is_served_by_the_patched_build_only(gemma, tapped, p
     save_drafter(DFlashDraftModel(drafter_config(T.AutoConfig.from_pretrained(gemma), 1, 4, 4, [1, 8])), tmp_path / 'drafter')
     monkeypatch.setattr(engine, 'tap_built', lambda: False)
     assert 'make llamacpp-tap' in ' '.join(engine.serving_problems(T.AutoConfig.from_pretrained(gemma), [1, 8]))
-    r = run(sys.executable, '-c', ABORT, engine.to_gguf(gemma), engine.to_gguf(tmp_path / 'drafter', target=gemma), ok=False)
+    dg = engine.to_gguf(tmp_path / 'drafter', target=gemma)
+    assert dg.name.endswith('-bf16.gguf')                               # Gemma's states pass f16's range: its drafter is bf16
+    r = run(sys.executable, '-c', ABORT, engine.to_gguf(gemma), dg, ok=False)
     assert r.returncode != 0 and 'layer input tensor is null' in r.stdout + r.stderr
     got = json.loads(run(sys.executable, '-c', CHECK, gemma, tmp_path / 'drafter', json.dumps(prompts)).stdout.strip().splitlines()[-1])
     assert got['lossless'] and got['identical'] == len(prompts) and got['build'].startswith('patched') and got['n_max'] == 3 and got['drafts'] > 0

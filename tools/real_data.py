@@ -11,7 +11,8 @@
 For the base model (Gemma-3-270M), which continues text: `python tools/real_data.py --base` writes the prompts it
 continues, from the files above and Python 3.11's standard library (PSF licence): training, ShareGPT prompts as text and
 standard-library functions (signature and docstring, the body left to continue) as code, the 1200 of at most 213
-characters (876 text, 324 code); held out, other ShareGPT prompts and HumanEval's prompts as bare code.
+characters (876 text, 324 code); held out, other ShareGPT prompts and HumanEval's prompts as bare code, mixed
+(`humaneval-code-prompts.jsonl`: the code alone).
 """
 import argparse, ast, gzip, hashlib, json, random, re, sysconfig, zipfile
 from pathlib import Path
@@ -82,6 +83,7 @@ def base_prompts(out, stdlib, text=1200, code=600, heldout_text=100, most=213):
     train += code_prompts(stdlib, code); random.Random(0).shuffle(train)      # text and code mixed: any first N holds both
     train = [(i, p) for i, p in train if len(p) <= most]
     write(out / 'base-prompts-train.jsonl', train)
+    held += he; random.Random(0).shuffle(held)                        # held out: text and code mixed, as in training
     write(out / 'base-prompts-heldout.jsonl', held)
     write(out / 'humaneval-code-prompts.jsonl', he)
 

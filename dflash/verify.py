@@ -151,15 +151,14 @@ def step_costs(target, drafter, prompt, reps=10):
     cache = DynamicCache(config=target.config)
     with tap_layers(target, ids, stop=False) as hooked:
         target(_ids(prompt, dev), cache=cache, use_cache=True, logits_to_keep=1); taps = tapped(hooked, ids)
-    if not croppable(cache): raise ValueError('step_costs needs a target whose cache can be cropped (attention layers only)')
     dc, P = drafter.new_cache(), len(prompt)
     drafter.draft(taps.to(drafter.fc.weight.device), torch.tensor([prompt[-1]]), P, dc)
-    time_of = lambda fn: _median_time(fn, reps, dev)
-    def forward(n):
-        target(_ids(prompt[-1:] * n, dev), cache=cache, use_cache=True); crop(cache, P)
+    base = None if croppable(cache) else snapshot(cache)        # a sliding-window or recurrent cache (Gemma 3): put back whole, untimed
+    back = (lambda: crop(cache, P)) if base is None else (lambda: restore(cache, base))
+    forward = lambda n: target(_ids(prompt[-1:] * n, dev), cache=cache, use_cache=True)
     with _eval_mode(target, drafter):
-        return dict(decode_s=time_of(lambda: forward(1)), verify_s=time_of(lambda: forward(B)),
-                    draft_s=time_of(lambda: drafter.propose(None, torch.tensor([prompt[-1]]), P, dc)), block_size=B)
+        return dict(decode_s=_median_time(lambda: forward(1), reps, dev, back), verify_s=_median_time(lambda: forward(B), reps, dev, back),
+                    draft_s=_median_time(lambda: drafter.propose(None, torch.tensor([prompt[-1]]), P, dc), reps, dev), block_size=B)
 
 # %% ../nbs/verify.ipynb #c1d86aec
 @torch.no_grad()

@@ -34,7 +34,7 @@ document.body.dataset.imagesOk=i.every(x=>x.complete&&x.naturalWidth>0)})</scrip
 ORDER = ('index', 'core', 'tiny_target', 'data', 'synth', 'regenerate', 'batching', 'taps', 'extract', 'shards', 'store', 'mirror', 'gguf', 'recipe', 'resolve',
          'plan', 'dist', 'balance', 'train', 'trainer', 'optim', 'checkpoint', 'track', 'metrics', 'blocks', 'loss', 'model', 'draft_cache',
          'dflash2', 'dspark', 'designs', 'draft_vocab', 'validate', 'cache', 'verify', 'sampling', 'tree', 'evaluate', 'treecal', 'speedup',
-         'llamacpp', 'engine', 'publish', 'release', 'peers')
+         'llamacpp', 'convert', 'engine', 'publish', 'release', 'peers')
 
 
 def pages(nbs=NBS):

@@ -41,7 +41,7 @@ def run_inner(method, a):
     torch.set_num_threads(a.threads)
     from dflash.core import TINY_TARGET
     from dflash.taps import load_target, capture, pad_batch, load_target_io
-    from dflash.shards import collate
+    from dflash.feed import collate
     from dflash.model import DFlashDraftModel, drafter_config
     from dflash.blocks import anchor_generator
     from dflash.optim import lr_factor

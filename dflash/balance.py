@@ -15,7 +15,7 @@ from .core import write_json_atomic, in_child
 from .taps import capture, pad_batch, text_config, load_target, launcher_child
 from .data import TokenizedDataset
 from .batching import Plan
-from .shards import collate
+from .feed import collate
 from .model import DFlashDraftModel, drafter_config
 from .blocks import anchor_generator
 from .publish import mask_token_for

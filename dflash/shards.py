@@ -6,7 +6,7 @@
 __all__ = ['FP8_MAX', 'FORMAT', 'INDEX', 'HEADER_KEYS', 'HEADER_LATER', 'HEADER_DEFAULTS', 'quantize_fp8', 'dequantize_fp8',
            'ShardFile', 'read_manifest', 'manifest_lock', 'update_manifest', 'ShardWriter', 'run_lock', 'store_intact',
            'header_diff', 'open_out', 'shard_sample_ids', 'CorruptShard', 'ExtractedDataset', 'load_sample',
-           'check_extraction', 'pad_rows', 'collate', 'OfflineSource']
+           'check_extraction']
 
 # %% ../nbs/shards.ipynb #2fcff162
 import fcntl, hashlib, json, os, queue, sys, threading
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from .core import Feeder, file_sha256, write_json_atomic, set_aside, cache_dir
+from .core import file_sha256, write_json_atomic, set_aside, cache_dir
 from .store import Store, ShardCache, StoreCorrupt, cached_tensors, etag_of, is_url, own_folder, MANIFEST
 from .taps import config_sha256, tokenizer_sha256, other_weights, load_target_config, load_tokenizer
 
@@ -442,48 +442,3 @@ def check_extraction(xds, target, layer_ids=None, complete=False):
         raise ValueError(f'the drafter reads the taps {list(layer_ids)}; the extraction {xds.out} holds the taps {xds.layer_ids}: '
                          'extract at the drafter\'s taps')
     return xds
-
-# %% ../nbs/shards.ipynb #2f13285c
-def pad_rows(rows, lengths):
-    "Flat real-token rows `[sum(lengths), F]` as `[b, S, F]`, zeros past each sequence."
-    lengths = torch.as_tensor(lengths)
-    real = torch.arange(int(lengths.max()))[None] < lengths[:, None]
-    out = rows.new_zeros(*real.shape, rows.shape[-1]); out[real.to(out.device)] = rows
-    return out
-
-def collate(hs_rows, input_ids, loss_mask, lengths):
-    "Padded `(hidden_states [b, S, F], input_ids [b, S], loss_mask [b, S])` from flat real-token rows [sum(lengths), F]."
-    lengths = torch.as_tensor(lengths)
-    b, S = len(lengths), int(lengths.max())
-    real = torch.arange(S)[None] < lengths[:, None]
-    hs = pad_rows(hs_rows, lengths)
-    ids = torch.zeros(b, S, dtype=torch.long); ids[real] = torch.as_tensor(input_ids).long()
-    lm = torch.zeros(b, S, dtype=torch.long); lm[real] = torch.as_tensor(loss_mask).long()
-    return hs, ids, lm
-
-class OfflineSource(Feeder):
-    """Micro-batches `start..end-1` of drafter `d` of `plan`, read from an `ExtractedDataset` by a prefetcher thread (with `final_hidden` if it
-    has them): at most `depth` batches, and `max_bytes` of them, on `device` ahead of the trainer."""
-    def __init__(self, xds, plan, d, start, end, device, depth=4, max_bytes=None):
-        self.xds, self.plan, self.d, self.start, self.end, self.device = xds, plan, d, start, end, torch.device(device)
-        super().__init__(depth, name=f'dflash-prefetch-d{d}', max_bytes=max_bytes)
-
-    def fill(self):
-        self.xds.schedule(self.plan.batch(self.d, p) for p in range(self.start, self.end))   # a store's shards are fetched ahead
-        for p in range(self.start, self.end):
-            self.xds.at(p - self.start)
-            batch = self.plan.batch(self.d, p)
-            rows = [self.xds[int(j)] for j in batch]
-            lengths = [len(r['input_ids']) for r in rows]
-            hs, ids, lm = collate(torch.cat([r['hidden_states'] for r in rows]), torch.cat([r['input_ids'] for r in rows]),
-                                  torch.cat([r['loss_mask'] for r in rows]), lengths)
-            fin = pad_rows(torch.cat([r['final_hidden'] for r in rows]), lengths) if 'final_hidden' in rows[0] else None
-            n = sum(x.numel() * x.element_size() for x in (hs, ids, lm, fin) if x is not None)
-            self.reserve(n, f'micro-batch {p} ({len(rows)} x {max(lengths)} tokens)')
-            if self.device.type == 'cuda':               # from pageable memory, on this thread: no pinned block per batch size kept by torch
-                hs, ids, lm, fin = (None if x is None else x.to(self.device) for x in (hs, ids, lm, fin))
-            self.put(dict(p=p, hidden_states=hs, input_ids=ids, loss_mask=lm, tokens=sum(lengths), src=None, nbytes=n,
-                          sample_ids=[int(self.xds.sample_ids[j]) for j in batch], **({} if fin is None else dict(final_hidden=fin))))
-
-    def consumed(self, item): self.release(item['nbytes'])
-    def stats(self): return self.xds.stats()

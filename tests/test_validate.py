@@ -114,7 +114,7 @@ def test_every_design_reads_its_tree_as_the_loop_grows_it(heldout, arch):
     from dflash.model import DFlashDraftModel, drafter_config
     from dflash.dflash2 import DFlash2DraftModel
     from dflash.dspark import DSparkDraftModel, dspark_config
-    from dflash.shards import collate
+    from dflash.feed import collate
     target, tok = load_target(str(TINY_TARGET)), load_tokenizer(str(TINY_TARGET))
     target = target.float()
     torch.manual_seed(0)

@@ -219,7 +219,7 @@ def tau_gap(engine, ours, sigmas=4.0, least=0.1):
     gap, se = float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
     return dict(engine=engine['tau'], ours=ours['tau'], gap=gap, se=se, n=len(d), far=abs(gap) > max(sigmas * se, least))
 
-# %% ../nbs/engine.ipynb #34d4fa14
+# %% ../nbs/engine.ipynb #9e66b486
 STEADY = 0.25          # how far a verify of one token may stray from a decode (the same forward, timed by another counter)
 
 def profile_problems(decode, verify, step, runs=None):
@@ -235,6 +235,7 @@ def profile_problems(decode, verify, step, runs=None):
             if max(r) - min(r) > float(np.median(r))]
     return bad
 
+# %% ../nbs/engine.ipynb #34d4fa14
 def engine_profile(target, drafter, prompts, lengths=None, max_new_tokens=64, reps=5, threads=None, outtype='f16', progress=False, tries=3):
     """llama.cpp's step costs for `drafter` on `target` at each drafted length of `lengths` (None: 1 .. all it drafts): `(profile, checks)`,
     the profile as `dflash.speedup` reads it (decode, verify by tokens, draft by drafted length: the step less its verify) and each

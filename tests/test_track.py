@@ -39,7 +39,10 @@ def wandb_records(path):
 
 def read_wandb(out, st):
     hist, config, ids = {}, {}, set()
-    for f in sorted((out / 'wandb').glob(f"offline-run-*-{st['id']}/run-{st['id']}.wandb")):   # one folder per start, in order
+    def start(f):       # offline-run-<time>-<id>, and -<id>-1, -2 ... when a start falls in the same second as the last
+        stamp, _, n = f.parent.name.removeprefix('offline-run-').partition(f"-{st['id']}")
+        return stamp, int(n.lstrip('-') or 0)
+    for f in sorted((out / 'wandb').glob(f"offline-run-*-{st['id']}*/run-{st['id']}.wandb"), key=start):   # one folder per start, in order
         for r in wandb_records(f):
             kind = r.WhichOneof('record_type')
             if kind == 'run':

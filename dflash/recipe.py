@@ -13,7 +13,7 @@ import torch
 from .core import TINY_TARGET, TRAIN_DATA, REGEN_DATA, HELDOUT_DATA, HELDOUT_REGEN, RUNS, Job, param, target_param, data_param, out_param, file_sha256
 from .gguf import by_name
 from .taps import auto_device, gpu_count
-from .loss import parse_terms, tree_loss_budget
+from .loss import parse_terms, split_terms, tree_loss_budget
 from .track import check_trackers, report_to_param
 from .validate import tree_budgets, check_best_by
 from .tree import check_tree_budget
@@ -124,7 +124,9 @@ class TrainConfig(Job):
     loss_terms: str | None = param(None, "what each drafted slot is scored by: ce (its label), or against the target's own distribution kl "
                             "(KL(p_t||p_d)), tv (total variation: 1 - the slot's expected acceptance), l1 (2 tv), lk (kl while far, tv once "
                             "close), or a weighted sum, e.g. ce:0.1,l1:0.9; a distribution term needs the target's final hidden states "
-                            "(an extraction with final_hidden, or online training, where the target ranks send them); None: ce, or DSpark's ce:0.1,l1:0.9")
+                            "(an extraction with final_hidden, or online training, where the target ranks send them); with ce alone, the block "
+                            "terms focal (the CE of a block's first wrong slot) and chain (1 - its expected accepted length over n), arXiv "
+                            "2606.11552, e.g. ce,focal:0.3,chain:40; None: ce, or DSpark's ce:0.1,l1:0.9")
     optimizer: str = param('adamw', "adamw, or muon: Muon for the layers' 2-D weights and fc (lr matched to AdamW's update size), AdamW for the rest",
                            choices=('adamw', 'muon'))
     muon_ns_steps: int = param(5, "Muon's Newton-Schulz iterations per step (torch's default, 5); fewer: a cheaper step, a rougher "
@@ -210,8 +212,12 @@ class TrainConfig(Job):
         "The slots' weights against the design and the loss terms: here, and again once a resume has adopted the checkpoint's settings."
         if tree_loss_budget(self.loss):
             if self.arch == 'dspark': raise ValueError(f"loss={self.loss}: a DSpark drafter weighs its slots by 'decay' or 'dpace' (tree@N and treegrad@N: DFlash and DFlash2)")
-            if self.loss_terms is not None and parse_terms(self.loss_terms) != {'ce': 1.0}:
+            if self.loss_terms is not None and set(split_terms(parse_terms(self.loss_terms))[0]) != {'ce'}:
                 raise ValueError(f"loss={self.loss} weighs the slots from each label's log-probability: with loss_terms ce, not {self.loss_terms}")
+        rows, blocks = split_terms(parse_terms(self.loss_terms)) if self.loss_terms is not None else ({}, {})
+        if blocks and (self.arch == 'dspark' or set(rows) != {'ce'}):
+            raise ValueError(f"loss_terms={self.loss_terms}: the block terms {', '.join(blocks)} are read from each row's CE: with ce alone "
+                             f"(e.g. ce,focal:0.3,chain:40){' and a DFlash or DFlash2 drafter' if self.arch == 'dspark' else ''}")
         return self
 
     def check(self):

@@ -414,3 +414,18 @@ def test_tree_loss_from_the_shell(w, tmp_path):
                        (['--loss', 'tree'], "'decay', 'dpace', 'tree@N' or 'treegrad@N'"), (['--loss', 'tree@999'], "'decay', 'dpace', 'tree@N' or 'treegrad@N'")):
         fails(train_cli, *args, '--out', tmp_path / 'bad', *extra, msg=msg)
         assert not (tmp_path / 'bad').exists()
+
+
+def test_block_terms_from_the_shell(w, tmp_path):
+    "loss_terms focal and chain: a run trains with them (its metrics finite, its card naming them); beside a distribution term or a DSpark drafter, or alone, refused before any work."
+    args = ['--target', w / 'target', '--extracted', w / 'x', *BASE, '--max-steps', '2']
+    assert cli(train_cli, *args, '--out', tmp_path / 'run', '--loss', 'decay', '--loss-terms', 'ce,focal:0.3,chain:40')[0] == 0
+    card = (tmp_path / 'run' / 'drafter' / 'README.md').read_text()
+    assert "CE + 0.3 x the first error's CE + 40 x the chain term" in card and '`--loss-terms ce,focal:0.3,chain:40`' in card
+    losses = [json.loads(l)['loss'] for l in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines() if '"loss"' in l]
+    assert losses and all(math.isfinite(x) and x > 0 for x in losses)
+    for extra, msg in ((['--loss-terms', 'ce:0.5,kl:0.5,chain:40'], "are read from each row's CE: with ce alone"),
+                       (['--loss-terms', 'ce,focal', '--arch', 'dspark'], 'and a DFlash or DFlash2 drafter'),
+                       (['--loss-terms', 'chain:40'], 'need at least one row term')):
+        fails(train_cli, *args, '--out', tmp_path / 'bad', *extra, msg=msg)
+        assert not (tmp_path / 'bad').exists()

@@ -5,12 +5,13 @@
 # %% auto #0
 __all__ = ['ROOT', 'DATA', 'TINY_TARGET', 'TRAIN_DATA', 'HELDOUT_DATA', 'REGEN_DATA', 'HELDOUT_REGEN', 'RUNS', 'STORE_SCHEMES',
            'KEEP_TRACEBACKS', 'cache_dir', 'write_json_atomic', 'read_jsonl', 'append_jsonl', 'read_metrics',
-           'file_sha256', 'Feeder', 'in_child', 'parse_url', 'env_device', 'param', 'target_param', 'data_param',
-           'out_param', 'check_param', 'Job', 'claim_out', 'first_free', 'set_aside', 'job_parser', 'errors_dir',
-           'run_cli']
+           'file_sha256', 'Feeder', 'main_hidden', 'in_child', 'parse_url', 'env_device', 'param', 'target_param',
+           'data_param', 'out_param', 'check_param', 'Job', 'claim_out', 'first_free', 'set_aside', 'job_parser',
+           'errors_dir', 'run_cli']
 
 # %% ../nbs/core.ipynb #d0542ba4
 import argparse, hashlib, json, math, os, queue, re, signal, sys, tempfile, threading, time, traceback, types, typing
+from contextlib import contextmanager
 from dataclasses import field, fields
 from pathlib import Path
 
@@ -120,14 +121,29 @@ class Feeder:
         return item
 
 # %% ../nbs/core.ipynb #1aab3760
+@contextmanager
+def main_hidden(*fns):
+    """While processes spawned in this block start: the launching script (`__main__`'s file and module spec) hidden from them, so they do not
+    run it again; unless one of `fns` (what they will be handed) lives in the script, which they then need."""
+    m = sys.modules.get('__main__')
+    if m is None or any(getattr(f, '__module__', None) == '__main__' for f in fns): yield; return
+    saved = {k: m.__dict__[k] for k in ('__file__', '__spec__') if k in m.__dict__}
+    m.__dict__.pop('__file__', None); m.__spec__ = None
+    try: yield
+    finally:
+        m.__dict__.pop('__spec__', None); m.__dict__.update(saved)
+
 def in_child(fn, *args, **kw):
     "`fn(*args, **kw)` in a spawned process: its result (picklable), or what it raised, raised here; a child that dies is an error."
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
     with ProcessPoolExecutor(1, mp_context=mp.get_context('spawn')) as ex:        # its process may start processes of its own
-        try: return ex.submit(fn, *args, **kw).result()
+        try:
+            with main_hidden(fn): job = ex.submit(fn, *args, **kw)                 # the child starts here
+            return job.result()
         except BrokenProcessPool as e: raise RuntimeError(f'the process running {getattr(fn, "__name__", fn)} died (killed, or out of memory?)') from e
+
 
 # %% ../nbs/core.ipynb #f0667faf
 STORE_SCHEMES = ('s3', 's3a', 'gs', 'gcs', 'az', 'abfs', 'abfss', 'file', 'memory')   # the stores fsspec speaks that dflash reads and writes

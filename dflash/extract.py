@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 import torch
-from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, data_param, out_param, run_cli, claim_out, cache_dir
+from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, data_param, out_param, run_cli, claim_out, cache_dir, main_hidden
 from .gguf import by_name
 from .taps import (capture, check_finite, NonFiniteStates, pad_batch, text_config, check_layer_ids, default_layer_ids, parse_dtype, dtype_name, peak_mem_bytes,
                          load_target, load_target_config, target_name, config_sha256, weights_sha256)
@@ -251,7 +251,8 @@ def _run_processes(cfgs, parts, monitor, alive=lambda: None):
     q = ctx.Queue()
     ranks = [r for r in range(len(cfgs)) if parts[r]]                   # a worker with no batches is not started
     procs = {r: ctx.Process(target=_worker_main, args=(r, cfgs[r], parts[r], q, os.getpid()), name=f'dflash-extract-w{r}') for r in ranks}
-    for p in procs.values(): p.start()
+    with main_hidden(_worker_main):                                      # they import dflash, not the user's script
+        for p in procs.values(): p.start()
     done = set()
     def handle(msg):
         if msg['kind'] == 'done': done.add(msg['rank'])

@@ -192,3 +192,19 @@ def test_the_launcher_keeps_no_target(tmp_path, monkeypatch):
     assert ExtractedDataset(run.config.val_extracted, require_complete=True).manifest['num_samples'] == 4
     cal = json.loads((tmp_path / 'run' / 'calibration.json').read_text())
     assert cal['target_tokens_per_s'] > 0 and cal['drafter_tokens_per_s'] > 0 and run.config.targets + run.config.drafters == 3
+
+
+def test_a_script_without_a_main_guard(tmp_path):
+    """A user's script with no `if __name__ == '__main__':` resolves a run whose launcher work runs in children (DFLASH_LAUNCHER_CHILD=1, as
+    on a GPU): the children import dflash, not the script, which runs once. Before: each child ran the script again and died ('the process
+    running extract died')."""
+    import json, os
+    script = tmp_path / 'my_run.py'
+    script.write_text("from dflash.recipe import TrainConfig\nfrom dflash.resolve import resolve\nprint('the script starts', flush=True)\n"
+                      f"run = resolve(TrainConfig(out={str(tmp_path / 'run')!r}, targets='auto', ranks=3, val_samples=4, max_samples=64, progress=False))\n"
+                      "print('resolved', run.config.targets, run.config.drafters, flush=True)\n")
+    r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env={**os.environ, 'DFLASH_LAUNCHER_CHILD': '1', 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count('the script starts') == 1 and 'resolved' in r.stdout, r.stdout[-2000:]
+    assert json.loads((tmp_path / 'run' / 'calibration.json').read_text())['target_tokens_per_s'] > 0

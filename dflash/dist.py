@@ -102,10 +102,15 @@ def store_from_env(timeout_s=60):
                          timedelta(seconds=timeout_s))
 
 # %% ../nbs/dist.ipynb #263f429f
-def thread_groups(n, timeout_s=30):
-    "`(store, [process group of rank 0, ..., rank n-1])`: gloo groups in this process, over one `HashStore`, for ranks run as threads."
+def thread_groups(n, timeout_s=30, ddp=False):
+    """`(store, [process group of rank 0, ..., rank n-1])`: gloo groups in this process, over one `HashStore`, for ranks run as threads;
+    with `ddp`, each wrapped in the `ProcessGroup` that DistributedDataParallel takes."""
     store, pgs = dist.HashStore(), [None] * n
-    def make(r): pgs[r] = dist.ProcessGroupGloo(store, r, n, timedelta(seconds=timeout_s))
+    def make(r):
+        pgs[r] = dist.ProcessGroupGloo(store, r, n, timedelta(seconds=timeout_s))
+        if ddp:
+            pg, gloo = dist.ProcessGroup(store, r, n), dist.ProcessGroup.BackendType.GLOO
+            pg._set_default_backend(gloo); pg._register_backend(torch.device('cpu'), gloo, pgs[r]); pgs[r] = pg
     ts = [threading.Thread(target=make, args=(r,)) for r in range(n)]
     for t in ts: t.start()
     for t in ts: t.join()

@@ -206,6 +206,13 @@ def _next(self, source):
         if self.main: save_checkpoint(self.cfg.out, self.step, self.model, self.state(), self.cfg.keep)   # no barrier: peers may be gone
         raise
 
+def _ended(self, item):
+    """Has any drafter rank's stream ended (its `item` None)? Agreed before any rank enters the step's collectives (DDP's gradient
+    all-reduce, the checkpoint's barrier): a rank whose stream ends mid-step must not wait at the barrier while another waits for it in
+    the all-reduce. One scalar all-reduce a micro-batch, with two or more drafter ranks."""
+    if self.group is None or self.cfg.drafters == 1: return item is None
+    return self.all_sum(torch.tensor([float(item is None)])).item() > 0
+
 def _run(self, source, stop_flag=lambda: False, evaluate_tau=None, validate=None):
     "Train until the plan's last step or a stop; returns None, or why it stopped."
     cfg, total = self.cfg, self.plan.total_steps
@@ -222,7 +229,7 @@ def _run(self, source, stop_flag=lambda: False, evaluate_tau=None, validate=None
         samples = []
         for k in range(cfg.grad_accum):
             item = self._next(source)
-            if item is None:                                    # the job is stopping: keep what was learnt
+            if self._ended(item):                               # the job is stopping: keep what was learnt, every drafter rank at once
                 self.save(); return 'signal' if stop_flag() or self.coord.get('stop') in ('SIGTERM', 'SIGINT', 'signal') else 'the data source stopped'
             o = self.micro_step(item, last=k == cfg.grad_accum - 1)
             source.consumed(item); meter.add(o, item['tokens']); samples += item.get('sample_ids') or []
@@ -234,4 +241,4 @@ def _run(self, source, stop_flag=lambda: False, evaluate_tau=None, validate=None
         if stopped or (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or self.step == total: self.save()
         if stopped: return stopped
 
-Trainer._evaluations, Trainer._next, Trainer.run = _evaluations, _next, _run
+Trainer._evaluations, Trainer._next, Trainer._ended, Trainer.run = _evaluations, _next, _ended, _run

@@ -8,6 +8,7 @@ __all__ = ['pad_rows', 'collate', 'OfflineSource']
 # %% ../nbs/feed.ipynb #02c950d2
 import torch
 from .core import Feeder
+from .shards import dequantize_fp8
 
 # %% ../nbs/feed.ipynb #2f13285c
 def pad_rows(rows, lengths):
@@ -40,17 +41,28 @@ class OfflineSource(Feeder):
         for p in range(self.start, self.end):
             self.xds.at(p - self.start)
             batch = self.plan.batch(self.d, p)
-            rows = [self.xds[int(j)] for j in batch]
+            rows = [self.xds.row(int(j), dequantize=False) for j in batch]
             lengths = [len(r['input_ids']) for r in rows]
-            hs, ids, lm = collate(torch.cat([r['hidden_states'] for r in rows]), torch.cat([r['input_ids'] for r in rows]),
-                                  torch.cat([r['loss_mask'] for r in rows]), lengths)
-            fin = pad_rows(torch.cat([r['final_hidden'] for r in rows]), lengths) if 'final_hidden' in rows[0] else None
-            n = sum(x.numel() * x.element_size() for x in (hs, ids, lm, fin) if x is not None)
+            n = self._bytes(rows, lengths)
             self.reserve(n, f'micro-batch {p} ({len(rows)} x {max(lengths)} tokens)')
-            if self.device.type == 'cuda':               # from pageable memory, on this thread: no pinned block per batch size kept by torch
-                hs, ids, lm, fin = (None if x is None else x.to(self.device) for x in (hs, ids, lm, fin))
+            hs, ids, lm = collate(self._flat(rows, 'hidden_states', 'hidden_scale'), torch.cat([r['input_ids'] for r in rows]),
+                                  torch.cat([r['loss_mask'] for r in rows]), lengths)
+            fin = pad_rows(self._flat(rows, 'final_hidden', 'final_scale'), lengths) if 'final_hidden' in rows[0] else None
+            ids, lm = ids.to(self.device), lm.to(self.device)
             self.put(dict(p=p, hidden_states=hs, input_ids=ids, loss_mask=lm, tokens=sum(lengths), src=None, nbytes=n,
                           sample_ids=[int(self.xds.sample_ids[j]) for j in batch], **({} if fin is None else dict(final_hidden=fin))))
+
+    def _flat(self, rows, key, scale):
+        """The rows' `key` as one flat tensor on the device (from pageable memory, on this thread: no pinned block per batch size kept by
+        torch): fp8 moved as stored, half of bf16's bytes, and dequantized there, not on a host core."""
+        x = torch.cat([r[key] for r in rows]).to(self.device)
+        return dequantize_fp8(x, torch.cat([r[scale] for r in rows]).to(self.device), self.xds.dtype) if scale in rows[0] else x
+
+    def _bytes(self, rows, lengths):
+        "The micro-batch's bytes on the device once padded (and dequantized), counted before any of it is made."
+        b, S = len(rows), max(lengths)
+        size = lambda k: rows[0][k].shape[-1] * (self.xds.dtype if self.xds.fp8 else rows[0][k].dtype).itemsize
+        return b * S * (size('hidden_states') + 16 + (size('final_hidden') if 'final_hidden' in rows[0] else 0))   # + ids and mask, int64
 
     def consumed(self, item): self.release(item['nbytes'])
     def stats(self): return self.xds.stats()

@@ -380,21 +380,20 @@ class ExtractedDataset:
             except Exception as e: raise self._bad(self.manifest['shards'][j], f'unreadable ({type(e).__name__}: {e})') from None
         return self._files[j]
 
-    def __getitem__(self, i):
+    def __getitem__(self, i): return self.row(i)
+
+    def row(self, i, dequantize=True):
+        """Sample `i`: its states, ids, loss mask and id. From fp8 shards with `dequantize=False`, the stored fp8 rows and their scales
+        (`hidden_scale`, `final_scale`), dequantized where they are used (a GPU: `feed.ipynb`), not here on a host core."""
         n = len(self)
         if not -n <= i < n: raise IndexError(f'sample {i} of an extraction of {n}')
         i = int(i) % n; f, a, b = self._file(int(self._shard[i])), int(self._a[i]), int(self._b[i])
-        hs = f.get_slice('hidden_states')[a:b]
-        if self.fp8: hs = dequantize_fp8(hs, f.get_slice('hidden_scale')[a:b], self.dtype)
-        elif self.dtype is not None: hs = hs.to(self.dtype)
-        out = dict(hidden_states=hs, input_ids=f.get_slice('input_ids')[a:b].long(),
-                   loss_mask=f.get_slice('loss_mask')[a:b].bool(), sample_id=int(self.sample_ids[i]))
-        if self.final_hidden:
-            fh = f.get_slice('final_hidden')[a:b]
-            if self.fp8: fh = dequantize_fp8(fh, f.get_slice('final_scale')[a:b], self.dtype)
-            elif self.dtype is not None: fh = fh.to(self.dtype)
-            out['final_hidden'] = fh
-        return out
+        out = {}
+        for key, sk in (('hidden_states', 'hidden_scale'), ('final_hidden', 'final_scale'))[:1 + self.final_hidden]:
+            x = f.get_slice(key)[a:b]
+            if self.fp8 and not dequantize: out[sk] = f.get_slice(sk)[a:b]
+            out[key] = dequantize_fp8(x, f.get_slice(sk)[a:b], self.dtype) if self.fp8 and dequantize else x if self.fp8 or self.dtype is None else x.to(self.dtype)
+        return dict(out, input_ids=f.get_slice('input_ids')[a:b].long(), loss_mask=f.get_slice('loss_mask')[a:b].bool(), sample_id=int(self.sample_ids[i]))
 
     def token_ids(self):
         "The distinct token ids of every shard (their `input_ids` alone are read)."

@@ -12,7 +12,8 @@ from pathlib import Path
 from safetensors import safe_open
 from .core import write_json_atomic
 from .store import cached_tensors, save_index, pid_alive
-from .shards import FORMAT, MANIFEST, INDEX, read_manifest, manifest_lock, header_diff, _totals, _intact, store_intact
+from .shards import FORMAT, MANIFEST, INDEX, read_manifest, manifest_lock, header_diff, _totals, _intact
+from .store import store_intact
 
 # %% ../nbs/mirror.ipynb #ce25e6ee
 def staged_bytes(staging, shard_bytes=0):

@@ -4,9 +4,8 @@
 
 # %% auto #0
 __all__ = ['FP8_MAX', 'FORMAT', 'INDEX', 'HEADER_KEYS', 'HEADER_LATER', 'HEADER_DEFAULTS', 'quantize_fp8', 'dequantize_fp8',
-           'ShardFile', 'read_manifest', 'manifest_lock', 'update_manifest', 'ShardWriter', 'run_lock', 'store_intact',
-           'header_diff', 'open_out', 'shard_sample_ids', 'CorruptShard', 'ExtractedDataset', 'load_sample',
-           'check_extraction']
+           'ShardFile', 'read_manifest', 'manifest_lock', 'update_manifest', 'ShardWriter', 'run_lock', 'header_diff',
+           'open_out', 'shard_sample_ids', 'CorruptShard', 'ExtractedDataset', 'load_sample', 'check_extraction']
 
 # %% ../nbs/shards.ipynb #2fcff162
 import fcntl, hashlib, json, os, queue, sys, threading
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from .core import file_sha256, write_json_atomic, set_aside, cache_dir
-from .store import Store, ShardCache, StoreCorrupt, cached_tensors, etag_of, is_url, own_folder, MANIFEST
+from .store import Store, ShardCache, StoreCorrupt, cached_tensors, is_url, own_folder, shard_sha256, store_intact, MANIFEST
 from .taps import config_sha256, tokenizer_sha256, other_weights, load_target_config, load_tokenizer
 
 # %% ../nbs/shards.ipynb #1e8f6304
@@ -216,16 +215,7 @@ def _intact(out, s):
     f = Path(out) / s['file']
     if not f.exists(): return 'missing'
     if f.stat().st_size != s['bytes']: return f'truncated ({f.stat().st_size} of {s["bytes"]} bytes)'
-    if file_sha256(f) != s['sha256']: return 'corrupt (sha256 differs from the manifest)'
-    return None
-
-def store_intact(s, info):
-    "Is the listed shard `s` in the store (`info`: its listing entry, or None) whole, with the size and ETag recorded at upload? (A reason when not.)"
-    if info is None: return 'missing from the store'
-    if info.get('size') != s['bytes']: return f'truncated or replaced in the store ({info.get("size")} of {s["bytes"]} bytes)'
-    tag = etag_of(info)
-    if s.get('etag') and not s['etag'].startswith('sha256:') and tag and tag != s['etag']:
-        return f'altered in the store (its ETag is {tag}, the upload\'s was {s["etag"]})'
+    if shard_sha256(f) != s['sha256']: return 'corrupt (sha256 differs from the manifest)'
     return None
 
 def header_diff(m, header):

@@ -4,14 +4,16 @@
 
 # %% auto #0
 __all__ = ['MANIFEST', 'is_url', 'StoreError', 'StoreFull', 'StoreCredentials', 'StoreCorrupt', 's3etag_of', 'etag_of', 'Store',
-           'manifest_at', 'read_tensors', 'cached_tensors', 'save_index', 'ShardCache', 'pid_alive', 'own_folder']
+           'manifest_at', 'read_tensors', 'cached_tensors', 'save_index', 'ShardCache', 'pid_alive', 'own_folder',
+           'store_intact', 'shard_sha256']
 
 # %% ../nbs/store.ipynb #08663870
-import errno, hashlib, json, os, shutil, threading, time, uuid
+import errno, fcntl, hashlib, json, os, shutil, threading, time, uuid
 from bisect import bisect_left
 from pathlib import Path
 import numpy as np
-from .core import cache_dir, file_sha256, parse_url
+from .core import cache_dir, file_sha256, parse_url, write_json_atomic
+
 
 # %% ../nbs/store.ipynb #c58e105c
 def is_url(p):
@@ -394,3 +396,31 @@ def _ahead(self):
             with self.cv: self.failed[j] = e; self.cv.notify_all()
 
 ShardCache.get, ShardCache._pick, ShardCache._ahead = _get, _pick, _ahead
+
+# %% ../nbs/store.ipynb #b7fb5a9c
+def store_intact(s, info):
+    "Is the listed shard `s` in the store (`info`: its listing entry, or None) whole, with the size and ETag recorded at upload? (A reason when not.)"
+    if info is None: return 'missing from the store'
+    if info.get('size') != s['bytes']: return f'truncated or replaced in the store ({info.get("size")} of {s["bytes"]} bytes)'
+    tag = etag_of(info)
+    if s.get('etag') and not s['etag'].startswith('sha256:') and tag and tag != s['etag']:
+        return f'altered in the store (its ETag is {tag}, the upload\'s was {s["etag"]})'
+    return None
+
+def shard_sha256(f):
+    """sha256 of the shard file `f`, read once per extraction: its first reader (under a lock, so of all a job's ranks one) hashes it and
+    leaves a stamp in `.verified/` beside it (the file's size and mtime, the hash); a reader of the file unchanged since reads the stamp.
+    Where the folder cannot be written, every reader hashes."""
+    st, stamp = f.stat(), f.parent / '.verified' / f'{f.name}.json'
+    key = [st.st_size, st.st_mtime_ns]
+    try:
+        stamp.parent.mkdir(exist_ok=True)
+        with open(stamp.with_suffix('.lock'), 'a') as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try: old = json.loads(stamp.read_text())
+            except (OSError, ValueError): old = {}
+            if old.get('key') == key: return old['sha256']
+            h = file_sha256(f); write_json_atomic(stamp, dict(key=key, sha256=h))
+            return h
+    except PermissionError: return file_sha256(f)
+

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['FLEX_RECOMPILE_LIMIT', 'FLEX_BACKEND', 'MASK_LEDGER', 'MASK_BYTES_PER_ELEMENT', 'MASK_BYTES', 'flex_attend',
-           'pad_anchors', 'sample_anchors', 'anchor_generator', 'block_mask', 'anchor_chunks', 'flex_block_mask',
-           'mask_chunk']
+           'pad_anchors', 'sample_anchors', 'anchor_generator', 'block_mask', 'anchor_chunks', 'mask_scalars',
+           'flex_block_mask', 'mask_chunk']
 
 # %% ../nbs/blocks.ipynb #aabd55ea
 import math
@@ -87,17 +87,25 @@ def anchor_chunks(anchors, seq_len, block_size, chunk=64, window=None, causal=No
     """The mask in pieces of `chunk` anchors: `[(query slice, mask of b x c*B x (S + c*B))]`, dense bools or (`flex`) flex `BlockMask`s.
     Blocks never see each other, so each piece needs only the context and its own blocks: c*B x (S + c*B) per piece instead of
     A*B x (S + A*B)."""
-    A, B, make = anchors.shape[1], block_size, flex_block_mask if flex else block_mask
-    return [(slice(i * B, min(i + chunk, A) * B), make(anchors[:, i:i + chunk], seq_len, B, window, causal)) for i in range(0, A, chunk)]
+    A, B = anchors.shape[1], block_size
+    if flex: scalars = mask_scalars(seq_len, B, window, causal, anchors.device)             # once for all the pieces
+    make = (lambda a: flex_block_mask(a, seq_len, B, window, causal, scalars)) if flex else (lambda a: block_mask(a, seq_len, B, window, causal))
+    return [(slice(i * B, min(i + chunk, A) * B), make(anchors[:, i:i + chunk])) for i in range(0, A, chunk)]
 
-def flex_block_mask(anchors, seq_len, block_size, window=None, causal=None):
+def mask_scalars(seq_len, block_size, window=None, causal=None, device=None):
+    """`(S, W, C)`, the tensors a flex mask's `mask_mod` reads: the sequence length, the window (a full layer: one over all, S + B) and
+    causal. Each is a host-to-device copy, a sync: made once for all the pieces of a mask."""
+    causal = window is not None if causal is None else causal
+    MASK_LEDGER['scalars'] += 1
+    return tuple(torch.tensor(x, device=device) for x in (seq_len, window or seq_len + block_size, bool(causal)))
+
+def flex_block_mask(anchors, seq_len, block_size, window=None, causal=None, scalars=None):
     """The same mask as a flex_attention `BlockMask` (block-sparse: skipped tiles cost nothing). The sequence length, the window and
-    causal reach `mask_mod` as tensors: a compiled flex does not specialize on them (above)."""
+    causal reach `mask_mod` as tensors (`scalars`, else made here): a compiled flex does not specialize on them (above)."""
     from torch.nn.attention.flex_attention import create_block_mask
     b, A = anchors.shape
     Q, K = A * block_size, seq_len + A * block_size
-    causal = window is not None if causal is None else causal
-    S, W, C = (torch.tensor(x, device=anchors.device) for x in (seq_len, window or K, bool(causal)))   # a full layer: a window over all
+    S, W, C = scalars or mask_scalars(seq_len, block_size, window, causal, anchors.device)
     def mask_mod(bi, h, q, k):
         j, o = q // block_size, q % block_size
         a = anchors[bi, j]
@@ -107,7 +115,7 @@ def flex_block_mask(anchors, seq_len, block_size, window=None, causal=None):
     MASK_LEDGER['built'] += 1; MASK_LEDGER['peak_elements'] = max(MASK_LEDGER['peak_elements'], b * Q * K)
     return create_block_mask(mask_mod, b, None, Q, K, device=anchors.device)
 
-MASK_LEDGER = dict(built=0, peak_elements=0)   # the flex masks built in this process, and the largest (b x Q x K elements)
+MASK_LEDGER = dict(built=0, peak_elements=0, scalars=0)   # the flex masks built in this process, the largest (b x Q x K elements), their scalars' copies
 
 # %% ../nbs/blocks.ipynb #f3099f2d
 MASK_BYTES_PER_ELEMENT = 12

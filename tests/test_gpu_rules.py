@@ -56,10 +56,10 @@ def test_flex_masks_are_built_within_their_bytes(hybrid):
     with torch.no_grad():
         dense = hybrid(hs, ids, lm, num_anchors=96, attn_impl='sdpa', return_logits=True)
         hybrid.mask_bytes = 3 * 16 * 8 * (96 + 16 * 8) * blocks.MASK_BYTES_PER_ELEMENT      # 8 anchors a piece
-        blocks.MASK_LEDGER.update(built=0, peak_elements=0)
+        blocks.MASK_LEDGER.update(built=0, peak_elements=0, scalars=0)
         flex = hybrid(hs, ids, lm, num_anchors=96, attn_impl='flex', return_logits=True)
     assert blocks.MASK_LEDGER['peak_elements'] * blocks.MASK_BYTES_PER_ELEMENT <= hybrid.mask_bytes
-    assert blocks.MASK_LEDGER['built'] == 2 * 12                      # two mask kinds, 95 anchors in 12 pieces
+    assert blocks.MASK_LEDGER['built'] == 2 * 12 and blocks.MASK_LEDGER['scalars'] == 2   # two mask kinds, 95 anchors in 12 pieces; the scalars once a kind
     assert torch.allclose(flex.logits, dense.logits, atol=1e-4) and torch.equal(flex.labels, dense.labels)
 
 

@@ -69,7 +69,7 @@ RESUME_KEYS = {                                       # a setting `resume_change
     'best_by': "the next evaluation compares by the new figure (the kept best's measured again first if its record lacks it)",
     **dict.fromkeys(VAL_KEYS, 'the kept best drafter is measured again on the new split and figures before the run goes on')}
 FREE_KEYS = ('data', 'extracted', 'max_length', 'cache_dir', 'cache_gb',     # the data: compared by its fingerprint, not by these (nor where it is cached)
-             'out', 'targets', 'ranks', 'q_depth', 'q_gb', 'mask_mb', 'log_every', 'eval_every', 'tau_every', 'eval_data', 'eval_prompts', 'eval_max_new_tokens',
+             'out', 'targets', 'ranks', 'q_depth', 'q_gb', 'send_gb', 'mask_mb', 'log_every', 'eval_every', 'tau_every', 'eval_data', 'eval_prompts', 'eval_max_new_tokens',
              'eval_temperature', 'eval_top_p', 'eval_top_k', 'eval_tree_budget', 'report_to', 'final_eval', 'verify', 'compile', 'ckpt_every', 'keep', 'resume',
              'resume_changes', 'overwrite', 'device', 'dtype', 'threads', 'nnodes', 'rdzv_endpoint', 'max_restarts', 'pg_timeout_s',
              'dead_after_s', 'progress', 'servable', 'engine_eval')

@@ -210,19 +210,27 @@ def link(t, d):
     return f'{t}>{d}'
 
 class HSSender:
-    "Target `t`'s end of the HS queue to drafter `d` (rank `dst`): at most `depth` batches sent and not yet consumed."
-    def __init__(self, coord, t, dst, depth, pg, d=0):
+    """Target `t`'s end of the HS queue to drafter `d` (rank `dst`): at most `depth` batches sent and not yet consumed, and at most `max_bytes`
+    posted and not yet received (under NCCL a posted send's tensors stay on the target's GPU until the drafter receives them)."""
+    def __init__(self, coord, t, dst, depth, pg, d=0, max_bytes=None):
         self.coord, self.t, self.dst, self.depth, self.pg, self.key = coord, t, dst, depth, pg, link(t, d)
-        self.sent, self.wait_s, self.pending = 0, 0.0, deque()
+        self.sent, self.wait_s, self.pending, self.max_bytes, self.peak = 0, 0.0, deque(), max_bytes, 0
+
+    def held(self):
+        "Bytes of the sends posted and not yet received."
+        while self.pending and all(w.is_completed() for w in self.pending[0][0]): self.pending.popleft()
+        return sum(t.numel() * t.element_size() for _, ts in self.pending for t in ts if torch.is_tensor(t))
 
     def send(self, hs_rows, input_ids, loss_mask, lengths, p, final_rows=None):
-        "Wait for a credit, then post the sends of micro-batch `p` (with the target's final states `final_rows`). False if the job is stopping."
+        """Wait for a credit and for room (a batch alone is always let through), then post the sends of micro-batch `p` (with the target's
+        final states `final_rows`). False if the job is stopping."""
         c, k = self.coord, self.key
-        self.wait_s += c.wait_until(lambda: self.sent - c.count(f'credit/{k}') < self.depth or c.stopping())
+        n = sum(x.numel() * x.element_size() for x in (hs_rows, final_rows) if x is not None)
+        room = lambda: self.max_bytes is None or not self.pending or self.held() + n <= self.max_bytes
+        self.wait_s += c.wait_until(lambda: (self.sent - c.count(f'credit/{k}') < self.depth and room()) or c.stopping())
         if c.stopping(): return False
         self.pending.append(send_batch(self.pg, hs_rows, input_ids, loss_mask, lengths, p, self.dst, final_rows))
-        self.sent += 1; c.add(f'sent/{k}')
-        while self.pending and all(w.is_completed() for w in self.pending[0][0]): self.pending.popleft()
+        self.sent += 1; c.add(f'sent/{k}'); self.peak = max(self.peak, self.held())
         return True
 
     def close(self):

@@ -87,6 +87,7 @@ class PlanConfig(Job):
     token_budget: int = param(16384, "the run's token budget (the recipe's), which sizes its HS queue's batches", min=1)
     q_depth: int = param(20, 'HS queue: batches per target rank (as TrainConfig)', min=1)
     q_gb: float = param(8.0, 'HS queue: GiB a drafter rank holds at most (as TrainConfig)', gt=0)
+    send_gb: float = param(2.0, 'HS queue: GiB a target rank holds in sends not yet received (as TrainConfig)', gt=0)
     mask_mb: float = param(1024.0, 'MiB a flex mask takes at most while built (as TrainConfig)', gt=0)
     staging_gb: float = param(4.0, "extraction: pinned host GiB per GPU worker at most (as ExtractConfig)", gt=0)
     write_queue: int = param(4, "extraction: batches waiting for the writer (as ExtractConfig)", min=1)
@@ -123,11 +124,13 @@ def draft_head_share(dconfig, rows=None, context=1500):
 
 def held_buffers(job, H, n_taps, targets, drafters):
     """The bytes a drafter rank keeps besides its model: the HS queue (what its targets' credits allow, within `q_gb`: batches at the
-    run's token budget of the taps, the final states when the loss reads them, ids and masks, bf16) and one flex mask's build (`mask_mb`)."""
+    run's token budget of the taps, the final states when the loss reads them, ids and masks, bf16) and one flex mask's build (`mask_mb`);
+    and what a target rank keeps besides: its sends posted and not yet received (`send_gb`)."""
     batch = job.token_budget * ((n_taps + job.final_hidden) * H * 2 + 24)
     credits = job.q_depth * -(-targets // drafters)
     q = min(credits * batch, job.q_gb * 2**30)
-    return dict(batch_bytes=batch, queue_batches=int(q // batch), credit_batches=credits, queue_bytes=q, mask_bytes=job.mask_mb * 2**20)
+    return dict(batch_bytes=batch, queue_batches=int(q // batch), credit_batches=credits, queue_bytes=q, mask_bytes=job.mask_mb * 2**20,
+                send_bytes=job.send_gb * 2**30)
 
 def store_needs(job, disk, drafters):
     """An offline run through an object store: the upload bandwidth extraction needs on all `job.gpus` at `extract_samples_per_s` (bytes/s
@@ -157,7 +160,7 @@ def plan(*args, **kw):
     bufs = held_buffers(job, tc.hidden_size, len(ids), t, max(1, job.gpus - t))
     drafter_fixed += bufs['queue_bytes'] + bufs['mask_bytes']                     # held in bytes by a setting each
     room = (1 - job.headroom) * job.gpu_mem_gb * gb
-    free = room - weights - (drafter_fixed if job.gpus == 1 else 0)               # one GPU: both ranks share it
+    free = room - weights - bufs['send_bytes'] - (drafter_fixed if job.gpus == 1 else 0)   # its posted sends; one GPU: both ranks share it
     budget = int(free // (act + (dact if job.gpus == 1 else 0))) if free > 0 else 0
     dbudget = budget if job.gpus == 1 else max(0, int((room - drafter_fixed) // dact))   # a drafter rank holds the same batches
     drafter_mem = drafter_fixed + dact * min(budget, dbudget)
@@ -179,7 +182,8 @@ def buffers_line(p):
     b, j, G = p['buffers'], p['job'], 2**30
     return (f"held in bytes: the HS queue {b['queue_bytes'] / G:.1f} GiB a drafter rank ({b['queue_batches']} batches of {b['batch_bytes'] / 2**20:,.0f} MiB at "
             f"token_budget={j['token_budget']:,}; the credits allow {b['credit_batches']}, q_gb={j['q_gb']:g} holds the rest back), a flex mask's build "
-            f"{b['mask_bytes'] / G:.1f} GiB (mask_mb), both in the drafter rank's figure; extraction's pinned staging {b['staging_bytes'] / G:.1f} GiB of host "
+            f"{b['mask_bytes'] / G:.1f} GiB (mask_mb), both in the drafter rank's figure; sends a target rank posted and its drafters have not yet "
+            f"received {b['send_bytes'] / G:.1f} GiB (send_gb), in the target's; extraction's pinned staging {b['staging_bytes'] / G:.1f} GiB of host "
             f"memory a GPU worker (staging_gb), {j['gpus'] * b['staging_bytes'] / G:.1f} GiB for {j['gpus']}; compiled kernels' workspace is not bounded by a setting")
 
 def store_line(p):

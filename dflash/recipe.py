@@ -141,6 +141,8 @@ class TrainConfig(Job):
     q_depth: int = param(20, 'HS queue: unconsumed batches per target rank at most (offline: prefetch depth)', min=1)
     q_gb: float = param(8.0, 'HS queue: GiB of hidden states a drafter rank holds at most on its device, received (online) or prefetched '
                         '(offline) and not yet trained on; while it is full the targets wait', gt=0)
+    send_gb: float = param(2.0, "HS queue, online: GiB of hidden states a target rank holds in sends posted and not yet received, over all "
+                           "the drafters it serves (under NCCL they stay on its GPU until received); while it is full the target waits", gt=0)
     mask_mb: float = param(1024.0, 'MiB one flex attention mask may take while it is built (GPU); the masks are built in pieces of anchors '
                            'within it, one anchor a piece at least', gt=0, needs=(_on_gpu, 'a GPU (flex attention; a CPU builds no mask)'))
     seed: int = param(0, 'seed of the data order, the anchors and the initialization')

@@ -311,7 +311,8 @@ class Run:
         dt = parse_dtype(c.dtype, rank_device(c, 0).type == 'cuda')
         n = batch_bytes(1, c.token_budget, len(c.layer_ids) * H, dt, H if self.final_states else 0)
         return (f"  held in bytes: the HS queue at most {c.q_gb:g} GiB a drafter rank ({int(c.q_gb * 2**30 // n)} batches of {n / 2**20:,.1f} MiB at "
-                "the token budget)" + (f', a flex mask at most {c.mask_mb:g} MiB while it is built' if rank_device(c, 0).type == 'cuda' else ''))
+                "the token budget)" + (f'; a target rank at most {c.send_gb:g} GiB in sends not yet received' if c.online else '') +
+                (f', a flex mask at most {c.mask_mb:g} MiB while it is built' if rank_device(c, 0).type == 'cuda' else ''))
 
     def describe(self):
         "The settings table the job prints as it starts: every setting and where it came from, then what was resolved from them."

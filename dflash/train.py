@@ -43,7 +43,8 @@ def run_target(run, coord, t, plan, ds, device, pg, model=None):
     cfg, final = run.config, run.final_states
     if model is None: model = load_target(cfg.target, cfg.dtype, device)
     pad_id = getattr(text_config(model.config), 'pad_token_id', None) or 0
-    senders = {d: HSSender(coord, t, cfg.targets + d, cfg.q_depth, pg, d) for d in served(t, cfg.targets, cfg.drafters)}
+    links = served(t, cfg.targets, cfg.drafters)                # send_gb is the target's, shared by its links
+    senders = {d: HSSender(coord, t, cfg.targets + d, cfg.q_depth, pg, d, max_bytes=int(cfg.send_gb * 2**30 / len(links))) for d in links}
     coord.barrier('start', range(cfg.world))
     start = coord.get('start_micro', 0)
     fwd_s, t0, last = 0.0, time.perf_counter(), 0.0

@@ -219,7 +219,7 @@ class HSSender:
     def held(self):
         "Bytes of the sends posted and not yet received."
         while self.pending and all(w.is_completed() for w in self.pending[0][0]): self.pending.popleft()
-        return sum(t.numel() * t.element_size() for _, ts in self.pending for t in ts if torch.is_tensor(t))
+        return sum(t.numel() * t.element_size() for _, ts in self.pending for t in ts)
 
     def send(self, hs_rows, input_ids, loss_mask, lengths, p, final_rows=None):
         """Wait for a credit and for room (a batch alone is always let through), then post the sends of micro-batch `p` (with the target's

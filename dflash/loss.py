@@ -203,7 +203,7 @@ def block_terms(ce, hit, keep, names=BLOCK_TERMS):
     """`{name: [b, A]}` of each block's terms `names` from its labelled rows' `ce` (with their gradient) and argmax `hit`, rows in the order
     of `keep` [b, A, n]: 'focal' the CE of the block's first slot that is not a hit (0 if none); 'chain' 1 - (1/n) sum_k prod_{i <= k} exp(-CE_i)."""
     ce_s = torch.zeros(keep.shape, device=ce.device).masked_scatter(keep, ce.float())
-    hit_s = torch.zeros_like(keep).masked_scatter(keep, hit.bool()) & keep
+    hit_s = torch.zeros_like(keep).masked_scatter(keep, hit.bool())          # False past the labels
     out = {}
     if 'focal' in names:
         clean = F.pad(hit_s.long().cumprod(-1)[..., :-1], (1, 0), value=1).bool()     # every slot before it a hit
@@ -213,9 +213,9 @@ def block_terms(ce, hit, keep, names=BLOCK_TERMS):
     return out
 
 def block_loss(ce, hit, keep, weights):
-    "`(sum_n weights[n] * mean of term n over the blocks with a label, {name: that mean, detached})` for the block terms of `weights`."
+    "`(sum_n weights[n] * mean of term n over the blocks with a label, {name: that mean, detached})` for the block terms `weights` (`split_terms`')."
     has = keep.any(-1)
-    means = {n: t[has].sum() / has.sum().clamp_min(1) for n, t in block_terms(ce, hit, keep, [n for n in weights if weights[n]]).items()}
+    means = {n: t[has].sum() / has.sum().clamp_min(1) for n, t in block_terms(ce, hit, keep, list(weights)).items()}
     return sum(weights[n] * m for n, m in means.items()), {n: m.detach() for n, m in means.items()}
 
 

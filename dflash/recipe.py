@@ -212,11 +212,11 @@ class TrainConfig(Job):
 
     def check_loss(self):
         "The slots' weights against the design and the loss terms: here, and again once a resume has adopted the checkpoint's settings."
+        rows, blocks = split_terms(parse_terms(self.loss_terms)) if self.loss_terms is not None else ({'ce': 1.0}, {})
         if tree_loss_budget(self.loss):
             if self.arch == 'dspark': raise ValueError(f"loss={self.loss}: a DSpark drafter weighs its slots by 'decay' or 'dpace' (tree@N and treegrad@N: DFlash and DFlash2)")
-            if self.loss_terms is not None and set(split_terms(parse_terms(self.loss_terms))[0]) != {'ce'}:
+            if set(rows) != {'ce'}:
                 raise ValueError(f"loss={self.loss} weighs the slots from each label's log-probability: with loss_terms ce, not {self.loss_terms}")
-        rows, blocks = split_terms(parse_terms(self.loss_terms)) if self.loss_terms is not None else ({}, {})
         if blocks and (self.arch == 'dspark' or set(rows) != {'ce'}):
             raise ValueError(f"loss_terms={self.loss_terms}: the block terms {', '.join(blocks)} are read from each row's CE: with ce alone "
                              f"(e.g. ce,focal:0.3,chain:40){' and a DFlash or DFlash2 drafter' if self.arch == 'dspark' else ''}")

@@ -93,8 +93,11 @@ def _measure(cfg, trainer, probe, model, device, res):
 # %% ../nbs/release.ipynb #9e6f7a36
 def _terms_said(terms):
     "`0.1 CE + 0.9 L1 (`--loss-terms ce:0.1,l1:0.9`)` of terms `{name: weight}`; the block terms in words (arXiv 2606.11552's)."
-    name = dict(focal="the first error's CE", chain='the chain term (1 - the expected accepted length over the block)')
-    said = ' + '.join(name.get(n, n.upper()) if w == 1 else f'{w:g} x {name[n]}' if n in name else f'{w:g} {n.upper()}' for n, w in terms.items())
+    words = dict(focal="the first error's CE", chain='the chain term (1 - the expected accepted length over the block)')
+    def one(n, w):
+        if w == 1: return words.get(n, n.upper())
+        return f'{w:g} x {words[n]}' if n in words else f'{w:g} {n.upper()}'
+    said = ' + '.join(one(n, w) for n, w in terms.items())
     return said + ' (`--loss-terms ' + ','.join(n if w == 1 else f'{n}:{w:g}' for n, w in terms.items()) + '`)'
 
 def _loss_said(cfg, model):

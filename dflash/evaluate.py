@@ -40,7 +40,8 @@ def load_prompts(tok, path=HELDOUT_DATA, n=8):
         try: msgs = prompt_of(c['messages'])
         except BadRow as e: raise DataError(f"{path} row {c['row']}: {e.reason} ({e.detail})") from None
         prompts.append(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False))
-    if not prompts: raise DataError(f'{path}: no usable prompts' + (f' ({problems[0]["reason"]} in row {problems[0]["row"]}, ...)' if problems else ''))
+    if not prompts:
+        raise DataError(f'{path}: no usable prompts' + (f' ({problems[0]["reason"]} in row {problems[0]["row"]}, ...)' if problems else ''))
     return prompts
 
 # %% ../nbs/evaluate.ipynb #0ead764d
@@ -90,15 +91,17 @@ class NgramDrafter:
 
 # %% ../nbs/evaluate.ipynb #8f1eadc1
 class DFlashDrafter:
-    """Wraps a DFlash-family drafter (`DFlashDraftModel`, `DFlash2DraftModel`, `DSparkDraftModel`: a model with `propose`, `propose_sampled`,
-    `tree_children`), its target attached, for the verify loop: greedy, sampled, or a tree. `confidence_threshold` > 0: a chain verifies
-    only the drafts the drafter's `verify_len` keeps (DSpark's confidence head; a drafter without one verifies all)."""
+    """Wraps a DFlash-family drafter (`DFlashDraftModel`, `DFlash2DraftModel`, `DSparkDraftModel`: a model with `propose`,
+    `propose_sampled`, `tree_children`), its target attached, for the verify loop: greedy, sampled, or a tree. `confidence_threshold` > 0: a
+    chain verifies only the drafts the drafter's `verify_len` keeps (DSpark's confidence head; a drafter without one verifies all)."""
     def __init__(self, model, confidence_threshold=0.0):
-        self.model, self.layer_ids, self.block_size = model, model.target_layer_ids, model.draft_len + 1   # the verify block: last token + drafts
+        self.model, self.layer_ids, self.block_size = model, model.target_layer_ids, model.draft_len + 1   # the verify block:
+                                                                                                           # last token + drafts
         self.threshold = confidence_threshold
         if confidence_threshold and getattr(model, 'confidence_head', None) is None:
-            raise ValueError(f'confidence_threshold={confidence_threshold}: this {model.config.architectures[0]} drafter has no confidence head '
-                             '(a DSpark drafter with enable_confidence_head has one): its schedule would verify every draft, as the chain does')
+            raise ValueError(f'confidence_threshold={confidence_threshold}: this {model.config.architectures[0]} drafter has no confidence '
+                             'head (a DSpark drafter with enable_confidence_head has one): its schedule would verify '
+                             'every draft, as the chain does')
     def reset(self): self.cache = self.model.new_cache()
     def _inputs(self, tokens, taps):
         dev = self.model.fc.weight.device
@@ -121,16 +124,19 @@ class DFlashDrafter:
         return (toks[0, :n].tolist(), q[0, :n]) if n else ([], None)
 
     def propose_tree(self, tokens, taps, budget, depth, warp=None):
-        "The drafter's most probable continuations, a `Tree` of `budget` nodes at most `depth` deep (`warp`: the target's sampler at T > 0)."
+        ("The drafter's most probable continuations, a `Tree` of `budget` nodes at most `depth` deep (`warp`: the "
+         "target's sampler at T > 0).")
         expand, slots = self.model.tree_children(*self._inputs(tokens, taps), budget, warp)
         return grow_tree(expand, budget, min(depth, slots))
 
 def finite_weights(path):
     "Refuse the drafter saved in `path` if a tensor holds NaN or inf, naming them: it would draft nothing and still look lossless."
     from safetensors import safe_open
-    with safe_open(Path(path) / 'model.safetensors', 'pt') as f: bad = [k for k in f.keys() if not torch.isfinite(f.get_tensor(k).float()).all()]
+    with safe_open(Path(path) / 'model.safetensors', 'pt') as f:
+        bad = [k for k in f.keys() if not torch.isfinite(f.get_tensor(k).float()).all()]
     if bad: raise ValueError(f'drafter: {Path(path) / "model.safetensors"} holds non-finite weights (NaN or inf) in {", ".join(bad[:3])}'
-                             + (f' and {len(bad) - 3} more' if len(bad) > 3 else '') + ': a run whose loss diverged? It would draft nothing')
+                             + (f' and {len(bad) - 3} more' if len(bad) > 3 else '') + ': a run whose loss '
+                                                                                       'diverged? It would draft nothing')
     return path
 
 def load_drafter(path, target):
@@ -152,7 +158,8 @@ def check_inputs(drafter, target, extracted=None):
     except ValueError as e:
         sha = f', target config sha256 {dc.target_config_sha256[:12]}' if dc.target_config_sha256 else ''
         raise ValueError(f"{drafter} is a drafter for {dc.target_model or 'another target'} (hidden size {dc.hidden_size}, vocabulary "
-                         f"{dc.vocab_size}, taps {list(dc.target_layer_ids)}{sha}): {e}; use it with the target it was trained for") from None
+                         f"{dc.vocab_size}, taps {list(dc.target_layer_ids)}{sha}): {e}; use it with the target "
+                         "it was trained for") from None
     return None if extracted is None else check_extraction(extracted, target, dc.target_layer_ids, complete=True)
 
 # %% ../nbs/evaluate.ipynb #edfc8dfc
@@ -166,7 +173,8 @@ def spec_decode(target, drafter, prompt, max_new_tokens=64, eos_token_id=None, b
     check_tree_budget(tree_budget)
     eos, dev, layer_ids = eos_ids(eos_token_id), target.device, drafter.layer_ids
     warp = Sampling(temperature, top_p, top_k) if temperature > 0 else None
-    step, rule = (partial(_tree_step, budget=tree_budget), rule or tree_sample) if tree_budget else (_chain_step, rule or speculative_sample)
+    step, rule = (partial(_tree_step, budget=tree_budget),
+                  rule or tree_sample) if tree_budget else (_chain_step, rule or speculative_sample)
     cache = DynamicCache(config=target.config)
     with (tap_layers(target, layer_ids, stop=False) if layer_ids is not None else nullcontext({})) as hooked:
         o = target(_ids(prompt, dev), cache=cache, use_cache=True, logits_to_keep=1)
@@ -210,15 +218,15 @@ def _summary(per, steps, reference, B, sampling, tree_budget=0):
     return dict(tau=sum(a + 1 for a, _ in steps) / n, accept_hist=[sum(a >= k for a, _ in steps) / n for k in range(1, B)],
                 drafted_per_step=sum(d for _, d in steps) / n, steps=len(steps), new_tokens=new,
                 tokens_per_s=new / t_spec, baseline_tokens_per_s=sum(map(len, reference['outputs'])) / t_base,
-                speedup=t_base / t_spec, lossless=None if sampling else all(r['lossless'] for r in per), block_size=B, tree_budget=tree_budget,
-                **(vars(sampling) if sampling else dict(temperature=0.0)), per_prompt=per)
+                speedup=t_base / t_spec, lossless=None if sampling else all(r['lossless'] for r in per), block_size=B,
+                tree_budget=tree_budget, **(vars(sampling) if sampling else dict(temperature=0.0)), per_prompt=per)
 
 NEAR_TIE_ULPS = 4     # units in the last place of the target's dtype, at its best logit's magnitude: a near-tie (see above)
 
 @torch.no_grad()
 def near_ties(target, prompt, got, rival=None):
-    """`(positions, within)`: where the new tokens `got` after `prompt` are not the target's greedy choice in one teacher-forced forward, and
-    whether every token is within a near-tie of that choice (its logit at most `NEAR_TIE_ULPS` units in the last place of the target's
+    """`(positions, within)`: where the new tokens `got` after `prompt` are not the target's greedy choice in one teacher-forced forward,
+    and whether every token is within a near-tie of that choice (its logit at most `NEAR_TIE_ULPS` units in the last place of the target's
     dtype, at the best logit's magnitude, below the best), and so is `rival` `(i, token)`: the reference's own token where the two part."""
     lg = target(_ids(list(prompt) + list(got[:-1]), target.device)).logits[0, len(prompt) - 1:].float()
     best, tok = lg.max(-1).values, lg.gather(1, torch.tensor(got, device=lg.device)[:, None])[:, 0]
@@ -313,7 +321,8 @@ class TauProbe:
     greedy, or sampled at `temperature` (with `top_p`, `top_k`, draws seeded by `seed`); `tree_budget` N > 0: DDTree trees of N nodes."""
     def __init__(self, target, eval_data, n=8, max_new_tokens=64, dtype=None, device=None, temperature=0.0, top_p=1.0, top_k=0, seed=0,
                  tree_budget=0):
-        self.target_name, self.files, self.n, self.max_new_tokens = target, [f.strip() for f in eval_data.split(',') if f.strip()], n, max_new_tokens
+        self.target_name, self.files, self.n, self.max_new_tokens = target, [f.strip() for f in eval_data.split(',')
+                                                                             if f.strip()], n, max_new_tokens
         self.dtype, self.device, self.target, self.sets, self.tree_budget = dtype, device, None, {}, tree_budget
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         if temperature > 0: sampling_probs(torch.zeros(2), temperature, top_p, top_k)      # refuse bad settings now, not mid-training
@@ -343,15 +352,18 @@ class EvalConfig(Job):
     num_prompts: int | None = param(8, 'prompts per file; None: all', min=1)
     max_new_tokens: int = param(64, 'tokens decoded per prompt', min=1)
     out: str | None = out_param('evaluate', 'results.json and plots')
-    dtype: str | None = param(None, "the target's dtype: bf16, fp16 or fp32; None: bf16 on GPU, fp32 on CPU", choices=('bf16', 'fp16', 'fp32'))
+    dtype: str | None = param(None, "the target's dtype: bf16, fp16 or fp32; None: bf16 on GPU, fp32 on CPU",
+                              choices=('bf16', 'fp16', 'fp32'))
     temperature: float = param(0.0, 'also measure tau sampling at this temperature (0: greedy only)', min=0, least=1e-3)
-    top_p: float = param(1.0, 'sampling: keep the most likely tokens up to this mass', gt=0, max=1, needs=(lambda j: j.temperature > 0, 'temperature > 0'))
+    top_p: float = param(1.0, 'sampling: keep the most likely tokens up to this mass', gt=0, max=1,
+                         needs=(lambda j: j.temperature > 0, 'temperature > 0'))
     top_k: int = param(0, 'sampling: keep the k most likely tokens (0: all)', min=0, needs=(lambda j: j.temperature > 0, 'temperature > 0'))
     seed: int = param(0, 'seed of the sampled decodes', min=0, needs=(lambda j: j.temperature > 0, 'temperature > 0'))
-    tree_budget: int = param(0, "also verify the drafter's DDTree of this many nodes per step, a row 'dflash tree N' (0: chains only; at most 1024)",
+    tree_budget: int = param(0, "also verify the drafter's DDTree of this many nodes per step, a row 'dflash tree N' "
+                                "(0: chains only; at most 1024)",
                              min=0, needs=(lambda j: j.drafter is not None, 'a drafter'))
-    confidence_threshold: float = param(0.0, "DSpark: also a row 'dflash scheduled P' that verifies only the drafts whose survival (the running "
-                                        "product of the confidence head's, calibrated) is at least P (0: none)", min=0, max=1,
+    confidence_threshold: float = param(0.0, "DSpark: also a row 'dflash scheduled P' that verifies only the drafts whose survival (the "
+                                        "running product of the confidence head's, calibrated) is at least P (0: none)", min=0, max=1,
                                         needs=(lambda j: j.drafter is not None, 'a drafter'))
 
     def check(self):
@@ -374,14 +386,18 @@ def tau_table(results):
     rows = [f"{'prompts':24} {'drafter':22} {'tau':>6} {'drafted/step':>13} {'tok/s':>8} {'speedup':>8}"]
     for f, res in results.items():
         for name, r in res.items():
-            rows.append(f"{Path(f).name[:24]:24} {name:22} {r['tau']:6.2f} {r['drafted_per_step']:13.2f} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f}")
+            rows.append(f"{Path(f).name[:24]:24} {name:22} {r['tau']:6.2f} {r['drafted_per_step']:13.2f} "
+                        f"{r['tokens_per_s']:8.1f} {r['speedup']:8.2f}")
     greedy = [(f, n, r) for f, res in results.items() for n, r in res.items() if r['lossless'] is not None]
     bad = [(f, n, p['prompt']) for f, n, r in greedy for p in r['per_prompt'] if not p['lossless']]
     n = sum(len(r['per_prompt']) for _, _, r in greedy)
     ties = sum(not p['identical'] for _, _, r in greedy for p in r['per_prompt'] if p['lossless'] and 'identical' in p)
-    tied = f' ({ties} of them part from it at a near-tie of the target\'s arithmetic, every token within its greedy choice\'s rounding)' if ties else ''
-    rows.append(f'Lossless: every one of the {n} speculative outputs equals the target\'s own greedy output, token for token{tied}.' if not bad else
-                f'NOT lossless: {len(bad)} of {n} outputs differ from the target\'s greedy output (first: {bad[0][0]} prompt {bad[0][2]}, {bad[0][1]}).')
+    tied = (f' ({ties} of them part from it at a near-tie of the target\'s arithmetic, every token within its greedy '
+            'choice\'s rounding)') if ties else ''
+    rows.append(f'Lossless: every one of the {n} speculative outputs equals the target\'s own greedy output, token for token{tied}.'
+                if not bad else
+                f'NOT lossless: {len(bad)} of {n} outputs differ from the target\'s greedy output (first: {bad[0][0]} prompt '
+                f'{bad[0][2]}, {bad[0][1]}).')
     if temps := sorted({r['temperature'] for res in results.values() for r in res.values() if r['lossless'] is None}):
         rows.append(f"Sampled rows (T = {', '.join(f'{t:g}' for t in temps)}): each token is drawn as the target's own sampling draws it "
                     '(rejection sampling, tested in distribution), so no output is compared token for token.')
@@ -397,8 +413,9 @@ def evaluate_job(*args, **kw):
         finite_weights(job.drafter); dc = drafter_class(job.drafter).config_class.from_pretrained(job.drafter)
         check_drafter(dc, load_target_config(job.target), job.target)
         if job.confidence_threshold and not getattr(dc, 'enable_confidence_head', False):
-            raise ValueError(f'confidence_threshold={job.confidence_threshold}: {job.drafter} is a {dc.architectures[0]} drafter without a confidence '
-                             "head (DSpark's, enable_confidence_head): its 'scheduled' row would verify every draft, the chain's row again")
+            raise ValueError(f'confidence_threshold={job.confidence_threshold}: {job.drafter} is a {dc.architectures[0]} drafter without a '
+                             "confidence head (DSpark's, enable_confidence_head): its 'scheduled' row would verify every "
+                             "draft, the chain's row again")
     tok = load_tokenizer(job.target)
     sets = {f: load_prompts(tok, f, job.num_prompts) for f in job.files}      # every file checked before any model loads
     target = load_target(job.target, job.dtype)
@@ -406,7 +423,8 @@ def evaluate_job(*args, **kw):
     out.mkdir(parents=True, exist_ok=True); job.save(out / 'config.json')
     trees = {f'dflash tree {job.tree_budget}': job.tree_budget} if job.drafter and job.tree_budget else {}
     drafters.update({k: drafters['dflash'] for k in trees}, ngram=NgramDrafter())
-    if job.drafter and job.confidence_threshold: drafters[f'dflash scheduled {job.confidence_threshold:g}'] = DFlashDrafter(drafters['dflash'], job.confidence_threshold)
+    if job.drafter and job.confidence_threshold:
+        drafters[f'dflash scheduled {job.confidence_threshold:g}'] = DFlashDrafter(drafters['dflash'], job.confidence_threshold)
     B = None                                 # each drafter its own block: the drafter's, n-gram 16 (as in training's final loop)
     results = {}
     for f, prompts in sets.items():
@@ -421,5 +439,6 @@ def evaluate_job(*args, **kw):
     return results
 
 def evaluate_cli(argv=None):
-    "Measure tau with lossless speculative decoding: `dflash_evaluate --target MODEL --drafter DIR --eval-data a.jsonl,b.jsonl [--temperature 0.7] [--tree-budget 16]`."
+    ("Measure tau with lossless speculative decoding: `dflash_evaluate --target MODEL --drafter DIR --eval-data a.jsonl,b.jsonl "
+     "[--temperature 0.7] [--tree-budget 16]`.")
     return run_cli(evaluate_job, EvalConfig, 'dflash_evaluate', argv)

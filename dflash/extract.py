@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 import torch
-from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, data_param, out_param, run_cli, claim_out, cache_dir, main_hidden
+from .core import (TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, data_param, out_param, run_cli, claim_out, cache_dir,
+                         main_hidden)
 from .gguf import by_name
-from .taps import (capture, check_finite, NonFiniteStates, pad_batch, text_config, check_layer_ids, default_layer_ids, parse_dtype, dtype_name, peak_mem_bytes,
-                         load_target, load_target_config, target_name, config_sha256, weights_sha256)
+from .taps import (capture, check_finite, NonFiniteStates, pad_batch, text_config, check_layer_ids, default_layer_ids, parse_dtype,
+                         dtype_name, peak_mem_bytes, load_target, load_target_config, target_name, config_sha256, weights_sha256)
 from .data import TokenizedDataset, prepared, other_dataset
 from .batching import token_budget_batches, split_batches, DEFAULT_TOKEN_BUDGET, DEFAULT_MAX_BATCH_SIZE
 from .metrics import Monitor, plot_throughput
@@ -32,7 +33,8 @@ class HostRing:
     order. `take(n)` waits while the ring is full and returns None for a request the whole ring cannot hold."""
     ALIGN = 64
     def __init__(self, nbytes, pin=False):
-        self.buf, self.capacity, self.spans, self.held, self.peak = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin), nbytes, deque(), 0, 0
+        self.buf, self.capacity, self.spans, self.held, self.peak = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin), nbytes,
+                                                                     deque(), 0, 0)
         self.cv = threading.Condition()
 
     def _at(self, n):
@@ -66,7 +68,8 @@ def to_host(ts, ring=None, stop=lambda: False):
     out, off = {}, 0
     for k, v in ts.items():
         if v is None: out[k] = None; continue
-        out[k] = span[off:off + v.numel() * v.element_size()].view(v.dtype).view(v.shape); out[k].copy_(v, non_blocking=True); off += size(v)
+        out[k] = span[off:off + v.numel() * v.element_size()].view(v.dtype).view(v.shape); out[k].copy_(v, non_blocking=True)
+        off += size(v)
     ev = None
     if span.is_pinned(): ev = torch.cuda.Event(); ev.record()
     return out, ev, ring.give
@@ -97,7 +100,8 @@ class Extractor:
     "Runs batches of a TokenizedDataset through `model` with taps on `layer_ids` and queues the real-token rows on `writer`."
     def __init__(self, model, ds, layer_ids, writer=None, token_budget=DEFAULT_TOKEN_BUDGET, store_dtype=None,
                  mem_limit_tokens=None, report=None, rank=0, final=False, ring=None):
-        self.model, self.ds, self.layer_ids, self.writer, self.rank, self.final, self.ring = model, ds, list(layer_ids), writer, rank, final, ring
+        self.model, self.ds, self.layer_ids, self.writer, self.rank, self.final, self.ring = (model, ds, list(layer_ids), writer, rank,
+            final, ring)
         self.budget, self.fp8, self.mem_limit_tokens = token_budget, store_dtype == 'fp8', mem_limit_tokens
         self.store_dtype = None if store_dtype in (None, 'fp8') else parse_dtype(store_dtype)
         self.report = report or (lambda msg: None)
@@ -133,8 +137,9 @@ class Extractor:
             if not torch.isfinite(cast.sum(dtype=torch.float32)):
                 top = rows.abs().reshape(len(rows), len(taps), -1).amax((0, 2)); j = int(top.argmax())
                 where = f'layer {taps[j]}' if isinstance(taps[j], (int, np.integer)) else f'its {taps[j]} state'
-                raise NonFiniteStates(f"store_dtype={dtype_name(self.store_dtype)}: the target's hidden states at {where} reach {float(top[j]):.3g}, "
-                                      f'past its largest value ({torch.finfo(self.store_dtype).max:.6g}): store them in bf16 or fp8')
+                raise NonFiniteStates(f"store_dtype={dtype_name(self.store_dtype)}: the target's hidden states at {where} reach "
+                                      f'{float(top[j]):.3g}, past its largest value '
+                                      f'({torch.finfo(self.store_dtype).max:.6g}): store them in bf16 or fp8')
             rows = cast
         return {name: rows, scale_name: scale}
 
@@ -155,8 +160,9 @@ class Extractor:
         padded = item.pop('padded')
         if self.writer is not None: self.writer.put(item)
         else: _done(item)
-        self.report(dict(kind='batch', rank=self.rank, batch=[int(i) for i in piece], samples=len(piece), tokens=int(self.lengths[piece].sum()),
-                         padded=padded, peak_mem=peak_mem_bytes(self.device), write_queue=self.writer.qsize() if self.writer is not None else 0))
+        self.report(dict(kind='batch', rank=self.rank, batch=[int(i) for i in piece], samples=len(piece),
+                         tokens=int(self.lengths[piece].sum()), padded=padded, peak_mem=peak_mem_bytes(self.device),
+                         write_queue=self.writer.qsize() if self.writer is not None else 0))
 
     def run_batch(self, batch):
         "Run `batch` (cut to the working budget); on OOM split it in halves and lower the budget. Returns the pieces run."
@@ -170,7 +176,8 @@ class Extractor:
             if self.device.type == 'cuda': torch.cuda.empty_cache()
             if len(piece) == 1:
                 i = piece[0]
-                raise RuntimeError(f'rank {self.rank}: sample {i} (id {self.ds.ids[i]!r}, {self.lengths[i]} tokens) does not fit in memory alone: {err}')
+                raise RuntimeError(f'rank {self.rank}: sample {i} (id {self.ds.ids[i]!r}, {self.lengths[i]} tokens) does not '
+                                   f'fit in memory alone: {err}')
             halves = [piece[:len(piece) // 2], piece[len(piece) // 2:]]
             self.budget = min(self.budget, max(len(p) * int(self.lengths[p].max()) for p in halves))
             self.ooms += 1
@@ -209,7 +216,8 @@ def plan_batches(lengths, token_budget, max_batch_size=DEFAULT_MAX_BATCH_SIZE, d
 
 # %% ../nbs/extract.ipynb #a84fc796
 def _run_worker(rank, cfg, batches, report, model=None, failed=lambda: None):
-    "One worker: load the target (unless given), then extract `batches` into shards of `cfg['out']` (a staging folder within `staging_limit` bytes)."
+    ("One worker: load the target (unless given), then extract `batches` into shards of `cfg['out']` (a staging folder "
+     "within `staging_limit` bytes).")
     if cfg.get('threads'): torch.set_num_threads(cfg['threads'])
     device = torch.device(cfg['device'])
     if device.type == 'cuda': torch.cuda.set_device(device)
@@ -246,7 +254,8 @@ def _worker_main(rank, cfg, batches, q, parent=None):
         raise SystemExit(1)
 
 def _run_processes(cfgs, parts, monitor, alive=lambda: None):
-    "One spawned worker per config in `cfgs`; relay their reports to `monitor` until all are done. A failed or dead worker (or `alive()` raising) stops the job."
+    ("One spawned worker per config in `cfgs`; relay their reports to `monitor` until all are done. A failed or dead worker (or "
+     "`alive()` raising) stops the job.")
     ctx = torch.multiprocessing.get_context('spawn')
     q = ctx.Queue()
     ranks = [r for r in range(len(cfgs)) if parts[r]]                   # a worker with no batches is not started
@@ -271,7 +280,8 @@ def _run_processes(cfgs, parts, monitor, alive=lambda: None):
                 while r not in done and time.time() < until:
                     try: handle(q.get(timeout=0.1))
                     except queue.Empty: pass
-                if r not in done: raise RuntimeError(f'extract worker rank {r} died with exit code {p.exitcode} (killed, or out of host memory?)')
+                if r not in done:
+                    raise RuntimeError(f'extract worker rank {r} died with exit code {p.exitcode} (killed, or out of host memory?)')
         for p in procs.values(): p.join()
     finally:
         for p in procs.values():
@@ -286,8 +296,8 @@ class ExtractConfig(Job):
     "Extract a target's tapped hidden states over tokenized conversations into resumable safetensors shards."
     target: str | None = target_param()
     data: str | None = data_param()
-    out: str | None = param(None, 'output directory (shards, manifest.json, metrics.jsonl), or an object store URL (s3://bucket/prefix, gs://..., '
-                            'file://...: shards staged locally, uploaded as they are written); None: runs/extract', where='store')
+    out: str | None = param(None, 'output directory (shards, manifest.json, metrics.jsonl), or an object store URL (s3://bucket/prefix, '
+                            'gs://..., file://...: shards staged locally, uploaded as they are written); None: runs/extract', where='store')
     gpus: int = param(0, '0: one CPU worker; N: one worker process per GPU', min=0)
     token_budget: int | str = param('auto', "padded tokens per batch, or 'auto' (probe the GPU's memory; CPU: 8192)", min=1)
     max_batch_size: int = param(DEFAULT_MAX_BATCH_SIZE, 'samples per batch at most', min=1)
@@ -295,11 +305,13 @@ class ExtractConfig(Job):
     num_draft_layers: int = param(5, 'drafter layers, for the default layer ids', min=1)
     max_samples: int | None = param(None, 'extract only the first N samples of the dataset; None: all', min=1)
     dtype: str | None = param(None, "the target's dtype: bf16, fp16 or fp32; None: bf16 on GPU, fp32 on CPU", choices=_STORE[:-1])
-    store_dtype: str | None = param(None, 'stored dtype: bf16, fp16, fp32, or fp8 (e4m3 with a per-token scale); None: dtype', choices=_STORE)
+    store_dtype: str | None = param(None, 'stored dtype: bf16, fp16, fp32, or fp8 (e4m3 with a per-token scale); None: dtype',
+                                    choices=_STORE)
     final_hidden: bool = param(False, "also store the target's final state as its head reads it (the final norm's output), final_hidden "
                                "[T, H], from which training recomputes the target's logits (distribution losses); the forward then runs "
                                "on to the final norm (never the head)")
-    overwrite: bool = param(False, 'start over in an out made with another target, layers, dtype or data (the earlier one is moved to out/previous-*)')
+    overwrite: bool = param(False, 'start over in an out made with another target, layers, dtype or data (the earlier one '
+                                   'is moved to out/previous-*)')
     max_length: int = param(2048, 'tokens per sample, when preparing a ShareGPT file', min=2)
     shard_mb: float = param(256.0, 'shard size in MiB', min=0.001)
     write_queue: int = param(4, 'batches waiting for the writer at most', min=1)
@@ -307,12 +319,13 @@ class ExtractConfig(Job):
                               "the writer's queue need it; a larger batch is copied through pageable memory)", gt=0)
     workers: int | None = param(None, 'CPU worker processes (with gpus=0)', min=1)
     mem_limit_tokens: int | None = param(None, 'treat batches over this many padded tokens as out of memory (testing)', min=1)
-    staging_dir: str | None = param(None, "out=URL: the local folder shards wait in until the store holds them (empty, or this URL's staging); "
-                                    'None: $DFLASH_CACHE/staging/<URL hash>', where='local')
-    staging_disk_gb: float = param(16.0, 'out=URL: local disk the staged shards may take, GiB at most (a worker waits for uploads beyond it); '
-                                   'at least one shard per worker and one more', gt=0)
+    staging_dir: str | None = param(None, "out=URL: the local folder shards wait in until the store holds them (empty, or this URL's "
+                                    'staging); None: $DFLASH_CACHE/staging/<URL hash>', where='local')
+    staging_disk_gb: float = param(16.0, 'out=URL: local disk the staged shards may take, GiB at most (a worker waits for uploads beyond '
+                                   'it); at least one shard per worker and one more', gt=0)
     uploads: int = param(2, 'out=URL: shards uploaded at once', min=1)
-    store_retries: int = param(8, 'out=URL: retries of a failed store call (backoff from 0.5 s, doubling to 30 s): about 2.5 min of outage', min=0)
+    store_retries: int = param(8, 'out=URL: retries of a failed store call (backoff from 0.5 s, doubling to 30 s): about 2.5 min of outage',
+                               min=0)
     log_every: float = param(2.0, 'seconds between metrics.jsonl lines', min=0)
     progress: bool = param(True, 'show a progress bar')
     report_to: str = report_to_param()
@@ -325,13 +338,16 @@ class ExtractConfig(Job):
         if self.data is None: self.set('data', str(TRAIN_DATA), 'the embedded train split')
         if self.out is None: self.set('out', str(RUNS / 'extract'), 'default')
         if not Path(self.data).exists(): raise FileNotFoundError(f'data: no such file or directory: {self.data}')
-        if self.gpus and self.workers and self.workers != self.gpus: raise ValueError(f'workers={self.workers} with gpus={self.gpus}: workers is for CPU runs')
+        if self.gpus and self.workers and self.workers != self.gpus:
+            raise ValueError(f'workers={self.workers} with gpus={self.gpus}: workers is for CPU runs')
         if is_url(self.out):
-            if self.overwrite: raise ValueError(f'overwrite=True with out={self.out}: a store is not set aside; extract into another URL, or delete that one')
+            if self.overwrite: raise ValueError(f'overwrite=True with out={self.out}: a store is not set aside; extract into '
+                                                'another URL, or delete that one')
             need = ((self.gpus or self.workers or 1) + 1) * self.shard_mb / 1024
             if self.staging_disk_gb < need:
-                raise ValueError(f'staging_disk_gb={self.staging_disk_gb}: {self.gpus or self.workers or 1} workers writing {self.shard_mb:g} MiB shards '
-                                 f'need {need:.3g} GiB of staging at least (a shard each being written, one uploading)')
+                raise ValueError(f'staging_disk_gb={self.staging_disk_gb}: {self.gpus or self.workers or 1} workers writing '
+                                 f'{self.shard_mb:g} MiB shards need {need:.3g} GiB of staging at least (a shard each '
+                                 'being written, one uploading)')
         check_trackers(self.report_to)
         return self
 
@@ -339,7 +355,8 @@ class ExtractConfig(Job):
 def _header(job, config, ds, dt, store):
     "What the manifest records about the run: a later run into the same out must match it."
     tc = text_config(config)
-    return dict(target=target_name(job.target), target_config_sha256=config_sha256(config), target_weights_sha256=weights_sha256(job.target), layer_ids=job.layer_ids,
+    return dict(target=target_name(job.target), target_config_sha256=config_sha256(config),
+                target_weights_sha256=weights_sha256(job.target), layer_ids=job.layer_ids,
                 dtype='float8_e4m3fn' if store == 'fp8' else store or dtype_name(dt), compute_dtype=dtype_name(dt),
                 dataset_sha256=ds.fingerprint(), tokenizer_sha256=ds.meta.get('tokenizer_sha256'), num_target_layers=tc.num_hidden_layers,
                 hidden_size=tc.hidden_size, dataset=str(ds.path), final_hidden=bool(job.final_hidden))
@@ -358,13 +375,16 @@ def _sigterm_stops():
     finally: signal.signal(signal.SIGTERM, old)
 
 def extract(*args, model=None, **kw):
-    "Extract the tapped hidden states of a target over a dataset into safetensors shards (see `ExtractConfig`); resumable. Returns a summary."
+    ("Extract the tapped hidden states of a target over a dataset into safetensors shards (see `ExtractConfig`); "
+     "resumable. Returns a summary.")
     job = args[0] if args and isinstance(args[0], Job) else ExtractConfig(*args, **kw)
-    if model is not None and (job.gpus > 1 or (job.workers or 1) > 1): raise ValueError('model= (an already loaded target) is for single-worker runs')
+    if model is not None and (job.gpus > 1 or (job.workers or 1) > 1):
+        raise ValueError('model= (an already loaded target) is for single-worker runs')
     if job.gpus and job.gpus > torch.cuda.device_count():
         raise RuntimeError(f'gpus={job.gpus}, but torch sees {torch.cuda.device_count()} CUDA devices')
     t0 = time.time()
-    store = Store(job.out, retries=job.store_retries).check() if is_url(job.out) else None   # a bad URL or credentials: told before any work
+    store = Store(job.out, retries=job.store_retries).check() if is_url(job.out) else None   # a bad URL or credentials:
+                                                                                             # told before any work
     if store: claim_staging(_staging(job, store), store.url, ours=not job.staging_dir)   # this URL's staging, or refused: nothing deleted
     out = claim_out(_staging(job, store) if store else job.out, job); out.mkdir(parents=True, exist_ok=True)
     print(job.announce())
@@ -374,7 +394,8 @@ def extract(*args, model=None, **kw):
         store_dt = None if job.store_dtype is None else 'fp8' if job.store_dtype == 'fp8' else dtype_name(parse_dtype(job.store_dtype))
         config = load_target_config(job.target)
         L = text_config(config).num_hidden_layers
-        if job.layer_ids is None: job.set('layer_ids', default_layer_ids(L, job.num_draft_layers), f'the DFlash rule for {job.num_draft_layers} drafter layers')
+        if job.layer_ids is None:
+            job.set('layer_ids', default_layer_ids(L, job.num_draft_layers), f'the DFlash rule for {job.num_draft_layers} drafter layers')
         check_layer_ids(job.layer_ids, L)
         if read_manifest(out) is not None and not job.overwrite and (old := other_dataset(job.data, job.target, out, job.max_length)):
             raise ValueError(f'out: {out} holds the extraction of another dataset ({old}, now {job.data}): overwrite=True sets it aside, '
@@ -393,9 +414,10 @@ def extract(*args, model=None, **kw):
         parts = plan_batches(lengths, budget, job.max_batch_size, done, n_workers)
         todo = [b for p in parts for b in p]
         cfg = dict(out=str(out), target=target_name(job.target), target_name=target_name(job.target), dataset=str(ds.path),
-                   layer_ids=job.layer_ids, compute_dtype=dtype_name(dt), store_dtype=store_dt, budget=budget, auto=auto, final_hidden=job.final_hidden,
-                   mem_limit_tokens=job.mem_limit_tokens, shard_bytes=int(job.shard_mb * 2**20), write_queue=job.write_queue,
-                   staging_bytes=int(job.staging_gb * 2**30), staging_limit=int(job.staging_disk_gb * 2**30) if store else None,
+                   layer_ids=job.layer_ids, compute_dtype=dtype_name(dt), store_dtype=store_dt, budget=budget, auto=auto,
+                   final_hidden=job.final_hidden, mem_limit_tokens=job.mem_limit_tokens, shard_bytes=int(job.shard_mb * 2**20),
+                   write_queue=job.write_queue, staging_bytes=int(job.staging_gb * 2**30), staging_limit=int(job.staging_disk_gb * 2**30)
+                   if store else None,
                    threads=max(1, torch.get_num_threads() // n_workers) if not job.gpus and n_workers > 1 else None)
         tr = Trackers(job.report_to if todo else 'none', out, config=job.to_dict(), resume=not job.overwrite, resume_step=len(done))
         mirror = Mirror(store, out, job.uploads, lease=lease) if store else None   # uploads each shard as it is written (a store)
@@ -403,7 +425,8 @@ def extract(*args, model=None, **kw):
                       upload=mirror.status if mirror else None)
         report, ok = (lambda msg: (mirror.check(), mon(msg))) if mirror else mon, False
         try:
-            if todo and n_workers == 1: _run_worker(0, dict(cfg, device='cuda:0' if job.gpus else 'cpu'), parts[0], report, model, lambda: mirror and mirror.error)
+            if todo and n_workers == 1:
+                _run_worker(0, dict(cfg, device='cuda:0' if job.gpus else 'cpu'), parts[0], report, model, lambda: mirror and mirror.error)
             elif todo: _run_processes([dict(cfg, device=f'cuda:{r}' if job.gpus else 'cpu') for r in range(n_workers)], parts, report,
                                       mirror.check if mirror else lambda: None)
             if mirror: mirror.drain()                                    # every staged shard in the store, checked
@@ -424,10 +447,12 @@ def extract(*args, model=None, **kw):
             for f in ('config.json', 'metrics.jsonl'): store.upload(out / f, f)
         else: m = update_manifest(out, lambda m: m.update(complete=requested, requested_samples=n, dataset_samples=len(ds)))
         el = time.time() - t0
-        if requested and n < len(ds): print(f'{out}: the first {n} of {len(ds)} samples extracted, as max_samples={job.max_samples} asked: complete')
-        return dict(out=store.url if store else str(out), complete=m['complete'], num_samples=m['num_samples'], num_tokens=m['num_tokens'], layer_ids=job.layer_ids,
-                    skipped=len(done), samples=mon.samples, tokens=mon.tokens, seconds=el, samples_per_s=mon.samples / el,
-                    tokens_per_s=mon.tokens / el, padding_efficiency=mon.tokens / mon.padded if mon.padded else 1.0, batches=mon.batches,
+        if requested and n < len(ds):
+            print(f'{out}: the first {n} of {len(ds)} samples extracted, as max_samples={job.max_samples} asked: complete')
+        return dict(out=store.url if store else str(out), complete=m['complete'], num_samples=m['num_samples'], num_tokens=m['num_tokens'],
+                    layer_ids=job.layer_ids, skipped=len(done), samples=mon.samples, tokens=mon.tokens, seconds=el,
+                    samples_per_s=mon.samples / el, tokens_per_s=mon.tokens / el, padding_efficiency=mon.tokens / mon.padded if mon.padded
+                    else 1.0, batches=mon.batches,
                     ooms=[e for e in mon.events if e['kind'] == 'oom'], token_budget=budget, budgets=mon.budgets,
                     peak_mem_bytes=max(mon.peak.values(), default=0), workers=n_workers,
                     **(dict(staging=str(out), **mirror.status(), staging_peak_bytes=mirror.peak) if mirror else {}))

@@ -38,7 +38,8 @@ class DFlashOutput(ModelOutput):
     """Training forward: weighted `loss`, per-slot `acc` [B-1] (with `correct`, `count` for summing over ranks), the loss's
     denominator `weight`; `labels` and `hits` [b, A, B-1] of every block (the drafted token is the label). DFlash2 adds per-slot
     counts `candidate_hits` (label among the unary top-k) and `unary_correct` (the head's argmax), and `selector_loss`; its
-    `hits` and `correct` are the selector's, with the true token as predecessor. Per-slot sizes are the drafter's `draft_len` (B-1; DSpark: B)."""
+    `hits` and `correct` are the selector's, with the true token as predecessor. Per-slot sizes are the drafter's `draft_len` (B-1; DSpark:
+    B)."""
     loss: torch.Tensor | None = None
     acc: torch.Tensor | None = None
     correct: torch.Tensor | None = None
@@ -153,7 +154,8 @@ def _loss_weights(labels, ce, loss='decay', gamma=None, alpha=0.5, top_lp=None):
     slots = torch.zeros(labels.shape, device=labels.device).masked_scatter(keep, ce.detach().float())
     anchors = keep.any(-1).sum(-1)                                     # A_b: blocks with a label, per sequence
     if N:
-        tops = torch.full((*labels.shape, top_lp.shape[-1]), -math.inf, device=labels.device).masked_scatter(keep[..., None], top_lp.detach().float())
+        tops = torch.full((*labels.shape, top_lp.shape[-1]), -math.inf,
+                          device=labels.device).masked_scatter(keep[..., None], top_lp.detach().float())
         w = tree_weights(-slots, tops, keep, N, alpha, grad=loss.startswith('treegrad'))
     else: w = dpace_weights(slots, keep, alpha)
     w = w / anchors.clamp_min(1)[:, None, None]
@@ -163,12 +165,13 @@ def _loss_weights(labels, ce, loss='decay', gamma=None, alpha=0.5, top_lp=None):
 MAX_TRAIN_TREE = 256       # tree@N scores every slot's top N rows in each step
 
 def tree_loss_budget(loss):
-    "The budget N of the slot weights 'tree@N' and 'treegrad@N', None for 'decay' and 'dpace'; a ValueError naming the choices for anything else."
+    ("The budget N of the slot weights 'tree@N' and 'treegrad@N', None for 'decay' and 'dpace'; a ValueError naming "
+     "the choices for anything else.")
     if loss in ('decay', 'dpace'): return None
     head, _, n = str(loss).partition('@')
     if head not in ('tree', 'treegrad') or not n.isdigit() or not 1 <= int(n) <= MAX_TRAIN_TREE:
-        raise ValueError(f"loss={loss!r}: 'decay', 'dpace', 'tree@N' or 'treegrad@N' (the slots weighted by DDTree's reach at N nodes, or by its "
-                         f"gradient, 1 <= N <= {MAX_TRAIN_TREE})")
+        raise ValueError(f"loss={loss!r}: 'decay', 'dpace', 'tree@N' or 'treegrad@N' (the slots weighted by DDTree's reach at N nodes, or "
+                         f"by its gradient, 1 <= N <= {MAX_TRAIN_TREE})")
     return int(n)
 
 def tree_threshold(top_lp, budget):
@@ -188,7 +191,8 @@ def tree_threshold(top_lp, budget):
 def tree_weights(lp, top_lp, valid, budget, alpha=0.5, grad=False):
     """Tree weights [..., L] of slots 1..L from the labels' log-probabilities `lp` [..., L] and each slot's top log-probabilities `top_lp`
     [..., L, K]: w_j = sum_{k >= j} rho~_k, rho_k = min(1, P_k / tau) (P_k = prod_{i <= k} p_i, tau = `tree_threshold`), rho~ = (1 - alpha)
-    rho + alpha; with `grad`, rho_k counts only where P_k < tau (the gradient of sum_k rho_k). A slot not `valid` ends the prefix. Detached."""
+    rho + alpha; with `grad`, rho_k counts only where P_k < tau (the gradient of sum_k rho_k). A slot not `valid` ends the prefix.
+    Detached."""
     if not 0 <= alpha <= 1: raise ValueError(f'dpace_alpha={alpha}: must be in [0, 1]')
     reach = valid.float().cumprod(-1)
     logP = (lp.detach().float() * reach).cumsum(-1)
@@ -201,7 +205,8 @@ BLOCK_TERMS = ('focal', 'chain')      # one number per block, from its rows' CE 
 
 def block_terms(ce, hit, keep, names=BLOCK_TERMS):
     """`{name: [b, A]}` of each block's terms `names` from its labelled rows' `ce` (with their gradient) and argmax `hit`, rows in the order
-    of `keep` [b, A, n]: 'focal' the CE of the block's first slot that is not a hit (0 if none); 'chain' 1 - (1/n) sum_k prod_{i <= k} exp(-CE_i)."""
+    of `keep` [b, A, n]: 'focal' the CE of the block's first slot that is not a hit (0 if none); 'chain' 1 - (1/n) sum_k prod_{i <= k}
+    exp(-CE_i)."""
     ce_s = torch.zeros(keep.shape, device=ce.device).masked_scatter(keep, ce.float())
     hit_s = torch.zeros_like(keep).masked_scatter(keep, hit.bool())          # False past the labels
     out = {}
@@ -213,7 +218,8 @@ def block_terms(ce, hit, keep, names=BLOCK_TERMS):
     return out
 
 def block_loss(ce, hit, keep, weights):
-    "`(sum_n weights[n] * mean of term n over the blocks with a label, {name: that mean, detached})` for the block terms `weights` (`split_terms`')."
+    ("`(sum_n weights[n] * mean of term n over the blocks with a label, {name: that mean, detached})` for the block terms "
+     "`weights` (`split_terms`').")
     has = keep.any(-1)
     means = {n: t[has].sum() / has.sum().clamp_min(1) for n, t in block_terms(ce, hit, keep, list(weights)).items()}
     return sum(weights[n] * m for n, m in means.items()), {n: m.detach() for n, m in means.items()}
@@ -245,7 +251,8 @@ def parse_terms(spec):
         except ValueError: raise ValueError(f'loss term {part!r} in {spec!r}: the weight must be a number') from None
         if not 0 <= out[name] < math.inf: raise ValueError(f'loss term {part!r} in {spec!r}: the weight must be a finite number >= 0')
     if not any(out.get(n) for n in TERMS):
-        raise ValueError(f'loss terms {spec!r}: need at least one row term ({", ".join(TERMS)}) with a weight > 0 (focal and chain add to one)')
+        raise ValueError(f'loss terms {spec!r}: need at least one row term ({", ".join(TERMS)}) with a weight > 0 '
+                         '(focal and chain add to one)')
     return out
 
 def needs_target(terms):
@@ -265,7 +272,8 @@ def row_terms(z, y, zt=None, names=('ce',)):
     logp, out = z.float().log_softmax(-1), {}
     if 'ce' in names: out['ce'] = -logp.gather(1, y[:, None])[:, 0]
     if set(names) - {'ce'}:
-        if zt is None: raise ValueError(f'loss terms {[n for n in names if n != "ce"]} need the target\'s distribution (its final hidden states)')
+        if zt is None:
+            raise ValueError(f'loss terms {[n for n in names if n != "ce"]} need the target\'s distribution (its final hidden states)')
         logq = zt.detach().float().log_softmax(-1)
         pt = logq.exp()
         kl = (pt * (logq - logp)).sum(-1)
@@ -283,8 +291,8 @@ def _row_chunk(chunk, W):
 
 
 def head_terms(h, W, b, labels, teacher=None, names=('ce',), chunk=4096, mult=1.0, cap=None, extra=None, topk=0, teacher_transform=None):
-    """`(terms [N, len(names)] fp32, argmax hits [N], top)` of rows `h` [N, H] through the head `W`, `b` (then `_softcap(., mult, cap)`), against
-    `labels` [N] and, for the distribution terms, the target's logits from its final states `teacher` [N, H] through the same head.
+    """`(terms [N, len(names)] fp32, argmax hits [N], top)` of rows `h` [N, H] through the head `W`, `b` (then `_softcap(., mult, cap)`),
+    against `labels` [N] and, for the distribution terms, the target's logits from its final states `teacher` [N, H] through the same head.
     Chunk by chunk, each chunk checkpointed when grad is enabled; `extra(i, j)`: logits to add to rows i..j-1 (differentiable). With
     `topk`, also each row's top-k logits and their row indices `(values, indices)` (no gradient; DFlash2's candidates), else None.
     `teacher_transform`: the target's own `(mult, cap)` for its logits (None: the drafter's, `mult`, `cap`)."""
@@ -314,7 +322,8 @@ def along_blocks(x, anchors, keep):
     return x.gather(1, idx).view(*keep.shape, *x.shape[2:])[keep]
 
 def term_loss(terms, names, weights, w):
-    "The weighted sum over rows (weights `w` [N], e.g. `_loss_weights`') and over terms (`weights` {name: weight}) of `terms` [N, len(names)]."
+    ("The weighted sum over rows (weights `w` [N], e.g. `_loss_weights`') and over terms (`weights` {name: weight}) "
+     "of `terms` [N, len(names)].")
     return sum(weights.get(n, 0.0) * (w * terms[:, i]).sum() for i, n in enumerate(names) if weights.get(n, 0.0))
 
 # %% ../nbs/loss.ipynb #51161a27
@@ -379,7 +388,8 @@ def rows_loss(h, W, b, y, labels, names, weights, loss='decay', gamma=None, dpac
         w, norm = _loss_weights(labels, None, loss, gamma, dpace_alpha)
         tmult, tcap = (mult, cap) if teacher_transform is None else teacher_transform
         e, W2 = markov or (None, None)
-        total, t, hit, tv, ti = HeadTerms.apply(h, e, W2, W, b, y, teacher, w, weights, names, _row_chunk(chunk, W), mult, cap, tmult, tcap, topk)
+        total, t, hit, tv, ti = HeadTerms.apply(h, e, W2, W, b, y, teacher, w, weights, names, _row_chunk(chunk, W), mult, cap, tmult, tcap,
+                                                topk)
         return total, w, norm, t, hit, (tv, ti) if topk else None
     extra = None if markov is None else lambda i, j: F.linear(markov[0][i:j], markov[1])
     t, hit, top = head_terms(h, W, b, y, teacher, names, chunk, mult, cap, extra, topk, teacher_transform)
@@ -409,10 +419,12 @@ def _head_loss(self, hk, lk, labels, keep, anchors, final_hidden=None, terms=Non
         if N: top = (top[0][:, :topk], top[1][:, :topk]) if topk else None      # what the caller asked for
         total = weights['ce'] * (w * ce).sum()
         if not blocks: return total, norm, w, ce, hit, top, {}
-        part, means = block_loss(ce, hit, keep, blocks)                          # a mean over blocks: norm times it, so total / norm adds it
+        part, means = block_loss(ce, hit, keep, blocks)                          # a mean over blocks: norm times
+                                                                                 # it, so total / norm adds it
         return total + norm * part, norm, w, ce, hit, top, dict(terms={'ce': (w * ce).sum().detach() / norm, **means})
     if blocks: raise ValueError(f"loss terms {list(blocks)} are read from each row's CE: with ce alone, not with {list(weights)}")
-    if N: raise ValueError(f"loss={loss!r} weighs the slots from each row's label and top log-probabilities: with loss_terms ce only, not {weights}")
+    if N: raise ValueError(f"loss={loss!r} weighs the slots from each row's label and top log-probabilities: with "
+                           f"loss_terms ce only, not {weights}")
     if final_hidden is None and needs_target(weights):
         raise ValueError(f"loss terms {weights} need the target's distribution: train from an extraction with its final hidden states "
                          "(final_hidden=True), or online, where the target ranks send them")

@@ -35,7 +35,8 @@ class Monitor:
         if kind == 'batch':
             self.samples += msg['samples']; self.tokens += msg['tokens']; self.padded += msg['padded']
             self.batches.append(msg['batch']); self.peak[r] = max(self.peak.get(r, 0), msg['peak_mem']); self.queue[r] = msg['write_queue']
-            up = '' if self.upload is None else ', upload queue {upload_queue}, staged {staged_bytes_mb:.0f} MiB, {upload_MBps:.1f} MB/s'.format(
+            up = '' if self.upload is None else (', upload queue {upload_queue}, staged {staged_bytes_mb:.0f} MiB, '
+                                                 '{upload_MBps:.1f} MB/s').format(
                 **(u := self.upload()), staged_bytes_mb=u['staged_bytes'] / 2**20)
             self.bar.set_postfix_str(f'{self.tokens / max(time.time() - self.t0, 1e-9):.0f} tokens/s{up}', refresh=False)
             self.bar.update(msg['samples'])
@@ -99,7 +100,8 @@ class Meter:
 
     def add(self, out, tokens):
         self.loss += out.loss.detach().double(); self.correct += out.correct.double(); self.count += out.count.double()
-        if getattr(out, 'candidate_hits', None) is not None: self.two = True; self.cand += out.candidate_hits.double(); self.unary += out.unary_correct.double()
+        if getattr(out, 'candidate_hits', None) is not None:
+            self.two = True; self.cand += out.candidate_hits.double(); self.unary += out.unary_correct.double()
         self.micro += 1; self.tokens += tokens
 
     def totals(self, all_sum=lambda x: x, **extra):
@@ -129,7 +131,8 @@ def progress_line(m, total_steps=None):
     tau = f" | tau {m['tau']:.2f}" if m.get('tau') is not None else ''
     tgt = f"tgt {m['target_batches_per_s']:.1f} b/s " if m.get('target_batches_per_s') is not None else ''
     return (f"step {m['step']}" + (f"/{total_steps}" if total_steps else '') + f" | {m['tokens_per_s'] / 1e3:.1f} Ktok/s"
-            f" | q_hs {m['q_hs']:.1f}" + (f" ({fmt_bytes(m['q_peak_bytes'])}/{fmt_bytes(m['q_bytes_capacity'])})" if m.get('q_bytes_capacity') else '')
+            f" | q_hs {m['q_hs']:.1f}" + (f" ({fmt_bytes(m['q_peak_bytes'])}/{fmt_bytes(m['q_bytes_capacity'])})"
+                                          if m.get('q_bytes_capacity') else '')
             + f" | {tgt}drf {m['drafter_batches_per_s']:.1f} b/s"
             f" | loss {m['loss']:.3f} | acc% {acc} | lr {m['lr']:.1e} | ETA {fmt_time(m['eta_s'])}{tau} | mem {mem}")
 
@@ -139,9 +142,10 @@ def val_line(m):
     walk = f" (loop's path {m['val_tau_walk']:.3f})" if m.get('val_tau_walk') is not None else ''
     acc = ' '.join(f'{int(round(100 * a)):02d}' for a in m['val_accept'][:4])
     trees = ''.join(f" | tree@{b} {t:.3f}" for b, t in (m.get('val_tree_tau') or {}).items())
-    if m.get('val_speedup') is not None: trees += f" | speed-up {m['val_speedup']:.2f}x drafting {m['val_speedup_n']} ({m.get('val_speedup_profile')})"
-    return (f"step {m['step']} | held-out tau {m['val_tau']:.3f} +- {m['val_tau_se']:.3f}{walk} on {m['val_sequences']} conversations{trees} "
-            f"| loss {m['val_loss']:.3f} | accept% slots 1-4 {acc}" + (' | best so far' if m.get('best') else ''))
+    if m.get('val_speedup') is not None:
+        trees += f" | speed-up {m['val_speedup']:.2f}x drafting {m['val_speedup_n']} ({m.get('val_speedup_profile')})"
+    return (f"step {m['step']} | held-out tau {m['val_tau']:.3f} +- {m['val_tau_se']:.3f}{walk} on {m['val_sequences']} "
+            f"conversations{trees} | loss {m['val_loss']:.3f} | accept% slots 1-4 {acc}" + (' | best so far' if m.get('best') else ''))
 
 # %% ../nbs/metrics.ipynb #61348896
 def follow(out, done, progress=True):
@@ -173,7 +177,8 @@ def _taus(a2, vals, taus, by='val_tau'):
         pts = [(m['step'], *_fig(m, k)) for m in vals if _fig(m, k)[0] is not None]
         if not pts: continue
         s, v, e = (np.array(x, dtype=float) for x in zip(*pts)); e = np.nan_to_num(e); top.append((v + e).max())
-        a2.plot(s, v, '^-' if c else 's-', color=f'C{2 + 2 * c}', ms=4, label=f"held-out tree, budget {k.split('@')[1]}" if c else 'held-out tau (simulated)')
+        a2.plot(s, v, '^-' if c else 's-', color=f'C{2 + 2 * c}', ms=4, label=f"held-out tree, budget {k.split('@')[1]}" if c
+                else 'held-out tau (simulated)')
         a2.fill_between(s, v - e, v + e, color=f'C{2 + 2 * c}', alpha=0.2)
     kept = [m for m in vals if m.get('best')] or sorted(vals, key=lambda m: m['val_tau'])   # the last kept, else the highest
     on = 'val_tau' if by == 'val_speedup' else by                       # a speed-up is not a tau: its best is marked on the chain's
@@ -183,7 +188,8 @@ def _taus(a2, vals, taus, by='val_tau'):
     a2.set_ylabel('tau'); a2.set_ylim(1, max(top) * 1.1); a2.legend(fontsize=7, loc='center right')
 
 def plot_dashboard(out, save=True):
-    "Loss, accuracy per slot, throughput and q_hs of the run in `out`; saves `loss.png`, `accuracy.png`, `throughput.png`, `queue.png`, `dashboard.png`."
+    ("Loss, accuracy per slot, throughput and q_hs of the run in `out`; saves `loss.png`, `accuracy.png`, `throughput.png`, "
+     "`queue.png`, `dashboard.png`.")
     import matplotlib.pyplot as plt
     recs, out = _train_records(out), Path(out)
     if not recs: raise ValueError(f'{out}/metrics.jsonl has no training records yet')
@@ -230,7 +236,8 @@ def plot_dashboard(out, save=True):
 
 # %% ../nbs/metrics.ipynb #638f8901
 def plot_calibration(out, step=None, save=True):
-    "Stated against measured per depth (spine, siblings) and the ECE per slot, of the evaluation at `step` (None: the last) of the run in `out`."
+    ("Stated against measured per depth (spine, siblings) and the ECE per slot, of the evaluation at `step` (None: "
+     "the last) of the run in `out`.")
     import matplotlib.pyplot as plt
     lines = [c for c in read_jsonl(Path(out) / TREE_CALIBRATION) if step is None or c['step'] == step]
     if not lines: raise ValueError(f"{Path(out) / TREE_CALIBRATION} has no {'line' if step is None else f'line of step {step}'}: "
@@ -242,7 +249,8 @@ def plot_calibration(out, step=None, save=True):
         pts = [(d + 1, s, m, n) for d, (s, m, n) in enumerate(zip(*(c[part][k] for k in ('stated', 'measured', 'nodes')))) if n]
         if pts:
             d, s, m, n = map(np.array, zip(*pts))
-            sc = a.scatter(s, m, c=d, cmap='viridis', vmin=1, vmax=len(c['ece']), marker=marker, s=12 + 60 * np.sqrt(n / n.max()), label=part)
+            sc = a.scatter(s, m, c=d, cmap='viridis', vmin=1, vmax=len(c['ece']), marker=marker, s=12 + 60 * np.sqrt(n / n.max()),
+                           label=part)
     if sc is not None: fig.colorbar(sc, ax=a, label='depth')
     a.set(xlabel='stated P(node | parent reached)', ylabel='measured hit rate', xlim=(0, 1), ylim=(0, 1),
           title=f"tree of budget {c['budget']}, step {c['step']}"); a.legend(fontsize=7, loc='upper left')
@@ -254,12 +262,14 @@ def plot_calibration(out, step=None, save=True):
 
 # %% ../nbs/metrics.ipynb #72ea4bf7
 def tau_curve(out, key='tau'):
-    "`[(training seconds, step, value)]` of the run in `out`: each `key` (tau, val_tau) measured, at the training time it was measured after."
+    ("`[(training seconds, step, value)]` of the run in `out`: each `key` (tau, val_tau) measured, at the training "
+     "time it was measured after.")
     recs, out = sorted((m for m in read_metrics(out) if 'time' in m), key=lambda m: m['time']), Path(out)
     run = json.loads((out / 'run.json').read_text()) if (out / 'run.json').exists() else {}
     t0, pts, evals = run.get('time', recs[0]['time']), [], 0.0
     for m in recs:
-        evals += sum(m.get(k, 0.0) for k in ('val_eval_s', 'tau_eval_s', 'eval_s'))   # every evaluation's time (held-out, lossless; eval_s: older runs) is left out
+        evals += sum(m.get(k, 0.0) for k in ('val_eval_s', 'tau_eval_s', 'eval_s'))   # every evaluation's time (held-out,
+                                                                                      # lossless; eval_s: older runs) is left out
         if m.get(key) is not None: pts.append((m['time'] - t0 - evals, m['step'], m[key]))
     return pts
 
@@ -272,7 +282,8 @@ def plot_tau(runs, path=None, ngram=None, key='tau'):
         ax.plot([p[0] / 60 for p in pts], [p[2] for p in pts], 'o-', label=label)
         ngram = ngram or next((m['tau_ngram'] for m in read_metrics(out) if m.get('tau_ngram')), None)
     if ngram: ax.axhline(ngram, ls=':', color='gray', label=f'n-gram prompt lookup ({ngram:.2f})')
-    ax.set(xlabel='training time (min)', ylabel='held-out tau (simulated)' if key == 'val_tau' else 'tau (acceptance length)', title=f'{key} against training time', ylim=(1, None)); ax.legend(fontsize=8)
+    ax.set(xlabel='training time (min)', ylabel='held-out tau (simulated)' if key == 'val_tau' else 'tau (acceptance length)',
+           title=f'{key} against training time', ylim=(1, None)); ax.legend(fontsize=8)
     if path: fig.savefig(path, dpi=100)
     plt.close(fig)
     return fig
@@ -289,7 +300,8 @@ def best_split(ranks, rt, rd):
 
 # %% ../nbs/metrics.ipynb #0d7eb486
 def diagnose(out, idle=0.15):
-    "One paragraph: target-bound, drafter-bound or balanced, from the queue depth and each side's idle time, and what to change, in numbers."
+    ("One paragraph: target-bound, drafter-bound or balanced, from the queue depth and each side's idle time, and "
+     "what to change, in numbers.")
     recs = _train_records(out)
     if len(recs) > 2: recs = recs[1:]                      # the first interval includes start-up
     if not recs: return 'no training records yet'
@@ -315,7 +327,8 @@ def diagnose(out, idle=0.15):
     rd, rt = tok / D / max(1 - di, 0.05), tok / max(T, 1) / max(1 - ti, 0.05)      # what one busy rank of each side did
     t, d, rate = best_split(T + D, rt, rd)
     split = (f'One target rank ran at about {rt / 1e3:.1f} Ktok/s and one drafter rank at {rd / 1e3:.1f} Ktok/s: '
-             + (f'{t} target{"s" * (t != 1)} : {d} drafter{"s" * (d != 1)} would run ~{rate / 1e3:.1f} Ktok/s. ' if (t, d) != (T, D) else f'this split ({T}:{D}) is the best of {T + D} ranks. '))
+             + (f'{t} target{"s" * (t != 1)} : {d} drafter{"s" * (d != 1)} would run ~{rate / 1e3:.1f} Ktok/s. ' if (t, d) != (T, D)
+                else f'this split ({T}:{D}) is the best of {T + D} ranks. '))
     if di > idle and q < 0.3 * cap:
         return head + 'Target-bound: the drafter waits behind an empty queue, so the targets are the bottleneck. ' + split + (
             'Or raise token_budget so each target forward carries more tokens (if target memory allows).')

@@ -30,7 +30,8 @@ def done_rows(path):
         if line.strip():
             try: r = json.loads(line); rows.append(dict(r, id=str(r['id'])))
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-                if any(l.strip() for l in lines[i + 1:]): raise DataError(f'{path}: line {i + 1} is not a regenerated conversation') from None
+                if any(l.strip() for l in lines[i + 1:]):
+                    raise DataError(f'{path}: line {i + 1} is not a regenerated conversation') from None
                 break
             keep = pos + len(line)  # the end of the last good line
         pos += len(line) + 1
@@ -56,7 +57,8 @@ def generate_replies(model, tok, prompts, gen_config):
 
 # %% ../nbs/regenerate.ipynb #aab0e04d
 def reply_text(message, reasoning='keep', trim=True):
-    "The text to store for a chat `message` (a dict with `content`, maybe `reasoning_content`/`reasoning`): see above; `trim=False`: a continuation, as written."
+    ("The text to store for a chat `message` (a dict with `content`, maybe `reasoning_content`/`reasoning`): see above; `trim=False`: "
+     "a continuation, as written.")
     answer, thought = message.get('content') or '', message.get('reasoning_content') or message.get('reasoning')
     if thought is None and '</think>' in answer:   # inline, as a model writes it without a parser
         thought, answer = answer.split('</think>', 1)
@@ -99,21 +101,24 @@ class RegenerateConfig(Job):
     batch_size: int = param(8, 'conversations decoded together in this process', min=1)
     max_new_tokens: int = param(256, 'tokens per reply at most (max_tokens on a server; a reply cut there is counted)', min=1)
     temperature: float = param(0.0, '0: greedy; else sampled at this temperature from a seeded generator', min=0)
-    top_p: float = param(1.0, 'nucleus sampling: the smallest set of tokens whose probability reaches top_p (with temperature > 0)', min=0, max=1)
+    top_p: float = param(1.0, 'nucleus sampling: the smallest set of tokens whose probability reaches top_p (with temperature > 0)', min=0,
+                         max=1)
     top_k: int = param(0, 'sample among the k likeliest tokens; 0: all (with temperature > 0; sent to a server only if > 0)', min=0)
     seed: int = param(0, 'seed of the sampling (on a server: one per turn, from this seed, the id and the turn)')
     max_samples: int | None = param(None, 'only the first conversations', min=1)
     device: str | None = param(None, 'cuda:N or cpu; None: a GPU if there is one')
     chat_template_kwargs: str | None = param(None, 'JSON object of chat-template options, e.g. \'{"enable_thinking": false}\' for Qwen3')
-    reasoning: str = param('keep', "a reply's reasoning text: keep (<think>...</think> before the answer) or drop", choices=['keep', 'drop'])
+    reasoning: str = param('keep', "a reply's reasoning text: keep (<think>...</think> before the answer) or drop",
+                           choices=['keep', 'drop'])
     server: str | None = param(None, 'OpenAI-compatible servers (vllm serve, SGLang, transformers serve): base URLs, comma-separated, '
                                'e.g. http://gpu1:8000,http://gpu2:8000; None: generate in this process')
     in_flight: int = param(32, 'requests in flight per server', min=1)
     served_model: str | None = param(None, 'the model name sent to the servers; None: the first their /v1/models lists')
     timeout: float = param(600.0, 'seconds a request may take before it is tried again', gt=0)
     retries: int = param(3, 'tries again after a failed request (1, 2, 4 ... s apart) before its server is given up', min=0)
-    on_refused: str = param('stop', 'a conversation whose request a server refuses (HTTP 4xx, e.g. a prompt over its context): stop the job, '
-                            'or skip it (listed in OUT.refused.jsonl, tried again by the next run; the job still stops when most are refused)',
+    on_refused: str = param('stop', 'a conversation whose request a server refuses (HTTP 4xx, e.g. a prompt over its context): stop the '
+                            'job, or skip it (listed in OUT.refused.jsonl, tried again by the next run; the job still '
+                            'stops when most are refused)',
                             choices=['stop', 'skip'])
     adopt_settings: bool = param(False, 'continue an out of an older dflash_regenerate that recorded no settings (no OUT.settings.json), '
                                  "taking this run's settings as those its rows were made with")
@@ -132,7 +137,8 @@ class RegenerateConfig(Job):
                              'choose another out')
         for p, what in [(settings_path(out), 'settings file'), (refused_path(out), 'list of refused conversations')]:
             if p.exists() and os.path.samefile(p, self.data):
-                raise ValueError(f'out: {out}: its {what}, {p}, is the data file {self.data} itself (the job replaces it); choose another out')
+                raise ValueError(f'out: {out}: its {what}, {p}, is the data file {self.data} itself (the job '
+                                 'replaces it); choose another out')
         if self.server is not None and not self.servers(): raise ValueError(f'server={self.server!r}: no URL in it')
         self.template_kwargs()
         check_trackers(self.report_to)
@@ -169,7 +175,8 @@ def _in_process(job, todo, emit):
     from transformers import GenerationConfig
     ge = model.generation_config.eos_token_id
     eos = sorted({tok.eos_token_id, *(ge if isinstance(ge, list) else [ge])} - {None})
-    how = dict(do_sample=True, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p) if job.temperature > 0 else dict(do_sample=False)
+    how = dict(do_sample=True, temperature=job.temperature, top_k=job.top_k,
+               top_p=job.top_p) if job.temperature > 0 else dict(do_sample=False)
     gc = GenerationConfig(max_new_tokens=job.max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=eos, **how)
     cuda = [model.device.index or 0] if model.device.type == 'cuda' else []
     kw, queue, active = job.template_kwargs(), sorted(todo, key=_size, reverse=True), []   # popped from the end: shortest first
@@ -181,7 +188,8 @@ def _in_process(job, todo, emit):
             prompts = [tok.apply_chat_template(a['messages'][:a['turns'][a['k']]], tokenize=False, add_generation_prompt=True, **kw)
                        for a in active]
             for a, (text, cut, n) in zip(active, generate_replies(model, tok, prompts, gc)):
-                if _answer(a, reply_text(dict(content=text), job.reasoning, trim), 'length' if cut else 'stop', n, dict(content=text)): emit(a)
+                if _answer(a, reply_text(dict(content=text), job.reasoning, trim), 'length' if cut else 'stop', n, dict(content=text)):
+                    emit(a)
             active = [a for a in active if a['k'] < len(a['turns'])]
 
 # %% ../nbs/regenerate.ipynb #ed67884d
@@ -195,8 +203,8 @@ def check_done(job, rows, convs):
     "Refuse `rows` of `job.out` that are not this job's: not regenerate's, of conversations not in `convs` (data), or for other prompts."
     out, by_id = Path(job.out), {c['id']: c for c in convs}
     if bad := [r['id'] for r in rows if 'truncated_turns' not in r or not isinstance(r.get('messages'), list)]:
-        raise ValueError(f'out: {out} holds {len(bad)} conversations that dflash_regenerate did not write (no truncated_turns: ids {_ids(bad)}); '
-                         'they would count as replies already made: choose another out')
+        raise ValueError(f'out: {out} holds {len(bad)} conversations that dflash_regenerate did not write (no truncated_turns: ids '
+                         f'{_ids(bad)}); they would count as replies already made: choose another out')
     if bad := [r['id'] for r in rows if r['id'] not in by_id]:
         raise ValueError(f'out: {out} holds {len(bad)} conversations that data {job.data} does not (ids {_ids(bad)}): it was made from '
                          'another file; choose another out')
@@ -219,8 +227,8 @@ def check_settings(job, rows, settings, todo):
         return
     diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v and not (k == 'served_model' and None in (v, old.get(k)))}
     if diff: raise ValueError(f'resume: {out} was written with ' + ', '.join(f'{k}={a!r}' for k, (a, b) in diff.items()) + '; this run has '
-                              + ', '.join(f'{k}={b!r}' for k, (a, b) in diff.items()) + f' ({f}): its {len(rows)} conversations and the new '
-                              'ones would mix two settings. The same settings continue it; another out starts anew')
+                              + ', '.join(f'{k}={b!r}' for k, (a, b) in diff.items()) + f' ({f}): its {len(rows)} conversations and the '
+                              'new ones would mix two settings. The same settings continue it; another out starts anew')
 
 # %% ../nbs/regenerate.ipynb #857731fb
 def _check_empty(job, n, held, final):
@@ -230,9 +238,9 @@ def _check_empty(job, n, held, final):
     if not job.server:
         return print(f"regenerate: warning: {n['empty']} of {n['replies']} replies of the target {target_name(job.target)} are empty{hint}")
     by = sorted({a['by'] for a in held if a.get('by')})
-    raise RuntimeError(f"{n['empty']} of {n['replies']} replies from the server{'s' if len(by) > 1 else ''} {', '.join(by)} are empty (conversation "
-                       f"{held[0]['id']}: {held[0]['raw']}){hint}. Stopped; the {len(held)} conversations with an empty reply are not written to "
-                       f'{job.out}, so the next run tries them again')
+    raise RuntimeError(f"{n['empty']} of {n['replies']} replies from the server{'s' if len(by) > 1 else ''} {', '.join(by)} are empty "
+                       f"(conversation {held[0]['id']}: {held[0]['raw']}){hint}. Stopped; the {len(held)} conversations with an empty "
+                       f'reply are not written to {job.out}, so the next run tries them again')
 
 def regenerate(*args, **kw):
     "Replace every assistant turn of a file with the target's reply (see `RegenerateConfig`); appends to `out`, returns its path."
@@ -280,8 +288,9 @@ def regenerate(*args, **kw):
             ok = True
         finally:
             pbar.close(); s = time.perf_counter() - t0
-            print(f"regenerated {n['conversations']} of {len(todo)} conversations ({n['stop']} replies ended by the target, {n['length']} cut at "
-                  f"max_new_tokens={job.max_new_tokens}, {n['empty']} empty); {n['tokens']} tokens in {s:.1f} s ({n['tokens'] / s:.1f} tok/s) -> {out_jsonl}")
+            print(f"regenerated {n['conversations']} of {len(todo)} conversations ({n['stop']} replies ended by the target, {n['length']} "
+                  f"cut at max_new_tokens={job.max_new_tokens}, {n['empty']} empty); {n['tokens']} tokens in {s:.1f} s "
+                  f"({n['tokens'] / s:.1f} tok/s) -> {out_jsonl}")
             log(); tr.close(ok)
     return out_jsonl
 
@@ -321,16 +330,20 @@ class LocalServer:
         self.target, self.flags, self.port = str(target), list(flags), port or free_port()
         self.url = f'http://127.0.0.1:{self.port}'
         if log is None: fd, log = tempfile.mkstemp(prefix='transformers-serve-', suffix='.log'); os.close(fd)
-        cmd = [sys.executable, '-m', 'transformers.cli.transformers', 'serve', self.target, '--host', '127.0.0.1', '--port', str(self.port), *self.flags]
+        cmd = [sys.executable, '-m', 'transformers.cli.transformers', 'serve', self.target, '--host', '127.0.0.1', '--port', str(self.port),
+               *self.flags]
         with open(log, 'w') as f:
-            self.log, self.proc = Path(log), subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={'HF_HUB_DISABLE_UPDATE_CHECK': '1', **(env or os.environ)})
+            self.log, self.proc = Path(log), subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                                              env={'HF_HUB_DISABLE_UPDATE_CHECK': '1', **(env or os.environ)})
         weakref.finalize(self, self.proc.kill)   # not left running by a failed test or a crashed notebook
         t0 = time.monotonic()
         while True:
             try: call_server(self.url, '/health', timeout=2); break
             except (ServerError, RequestRefused) as e:
                 if self.proc.poll() is not None or time.monotonic() - t0 > wait_s:
-                    self.stop(); raise RuntimeError(f'transformers serve {self.target} did not start ({e}); its log {self.log}:\n{self.log.read_text()[-2000:]}') from None
+                    self.stop()
+                    raise RuntimeError(f'transformers serve {self.target} did not start ({e}); its log '
+                                       f'{self.log}:\n{self.log.read_text()[-2000:]}') from None
                 time.sleep(0.2)
 
     def kill(self):
@@ -358,7 +371,8 @@ class _Server:
             if self.why is not None: return
             self.why = why
         left = [s.url for s in servers if s.why is None]
-        print(f'regenerate: server {self.url} given up ({why}); ' + (f'its work goes to {", ".join(left)}' if left else 'no server left'), flush=True)
+        print(f'regenerate: server {self.url} given up ({why}); ' + (f'its work goes to {", ".join(left)}' if left else 'no server left'),
+              flush=True)
 
 def _tries(job, srv, servers, fn):
     "`fn()`, tried again 1, 2, 4 ... s apart (`job.retries` times) while it raises `ServerError`; None once `srv` is given up."
@@ -381,11 +395,13 @@ def _worker(job, srv, servers, model, work, done, stop):
         except queue.Empty: continue
         try:
             while a['k'] < len(a['turns']):
-                r = _tries(job, srv, servers, lambda: _reply(call_server(srv.url, '/v1/chat/completions', chat_request(job, model, a), job.timeout)))
+                r = _tries(job, srv, servers, lambda: _reply(call_server(srv.url, '/v1/chat/completions', chat_request(job, model, a),
+                                                                         job.timeout)))
                 if r is None: work.put(a); return
                 _answer(a, reply_text(r[0], job.reasoning), *r[1:], raw=r[0], by=srv.url)
         except Exception as e:
-            err = RequestRefused(f"conversation {a['id']}, reply {a['k'] + 1}: {e}"); err.conv_id = a['id'] if isinstance(e, RequestRefused) else None
+            err = RequestRefused(f"conversation {a['id']}, reply {a['k'] + 1}: {e}")
+            err.conv_id = a['id'] if isinstance(e, RequestRefused) else None
             done.put(err)
             if err.conv_id is None or job.on_refused == 'stop': return
             continue
@@ -427,7 +443,8 @@ def _on_servers(job, todo, emit, servers, model):
             except queue.Empty:
                 if all(s.why for s in servers) and done.empty():
                     raise RuntimeError('no server left: ' + '; '.join(f'{s.url} ({s.why})' for s in servers) + f'. {job.out} keeps the '
-                                       f'{len(todo) - left} conversations done; the same command does the other {left} once a server is back')
+                                       f'{len(todo) - left} conversations done; the same command does the other '
+                                       f'{left} once a server is back')
                 continue
             if isinstance(a, Exception):
                 if a.conv_id is None or job.on_refused == 'stop': raise a

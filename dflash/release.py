@@ -24,14 +24,16 @@ from .engine import engine_check, LLAMACPP, llamacpp_verbosity
 
 # %% ../nbs/release.ipynb #4df1b738
 def _chosen(cfg, trainer, validator, device):
-    "`(drafter to publish, what the card says of it)`: the best by held-out acceptance (a plain drafter from its copy), else the last step's."
+    ("`(drafter to publish, what the card says of it)`: the best by held-out acceptance (a plain drafter from its "
+     "copy), else the last step's.")
     if validator is None or validator.best is None: return trainer.model, ''
     b, last = validator.best, trainer.step
     model = drafter_class(validator.dir).from_pretrained(validator.dir).to(device)
     model.attach_target(embed_tokens=trainer.model._io()[0], lm_head=trainer.model._io()[1])
-    return model, (f" Published: the step-{b['step']} drafter, the best of the run by held-out acceptance (simulated tau {b['val_tau']:.3f} "
-                   f"+- {b['val_tau_se']:.3f} on {b['val_sequences']} held-out conversations of the target's own replies"
-                   + (f', {b["val_tau_walk"]:.3f} along the lossless loop\'s path' if b.get('val_tau_walk') else '') + f'; the run ended at step {last}).'
+    return model, (f" Published: the step-{b['step']} drafter, the best of the run by held-out acceptance (simulated tau "
+                   f"{b['val_tau']:.3f} +- {b['val_tau_se']:.3f} on {b['val_sequences']} held-out conversations of the target's own replies"
+                   + (f', {b["val_tau_walk"]:.3f} along the lossless loop\'s path' if b.get('val_tau_walk') else '') + '; '
+                   f'the run ended at step {last}).'
                    + _trees(b, cfg.best_by) + _resolution(b, getattr(validator, 'last', None)))
 
 def _trees(b, by):
@@ -40,27 +42,30 @@ def _trees(b, by):
     t = b.get('val_tree_tau') or {}
     said = (' As DDTree trees: ' + ', '.join(f"{v:.3f} at {n} nodes" for n, v in t.items()) + '.') if t else ''
     if b.get('val_speedup') is not None:
-        said += (f" Predicted from it in the engine of the profile {b.get('val_speedup_profile')}: {b['val_speedup']:.2f}x the target alone, "
-                 f"drafting {b['val_speedup_n']} a step (held-out acceptance against the engine's step costs).")
-    chose = {'val_tau': None, 'val_speedup': 'the predicted speed-up'}.get(by, by.replace('val_tree_tau@', 'the tree acceptance at ') + ' nodes')
+        said += (f" Predicted from it in the engine of the profile {b.get('val_speedup_profile')}: {b['val_speedup']:.2f}x the target "
+                 f"alone, drafting {b['val_speedup_n']} a step (held-out acceptance against the engine's step costs).")
+    chose = {'val_tau': None, 'val_speedup': 'the predicted speed-up'}.get(by, by.replace('val_tree_tau@', 'the tree acceptance at ')
+                                                                           + ' nodes')
     return said + (f' It was chosen by {chose}.' if chose else '')
 
 def _resolution(b, last):
     "The card's word on a pick within the figure's resolution: the last evaluation's figure no further from the best's than their errors."
     if not last or last['step'] == b['step']: return ''
     if abs(last['val_tau'] - b['val_tau']) > resolution(b, last): return ''
-    return (f" The last evaluation (step {last['step']}: {last['val_tau']:.3f} +- {last['val_tau_se']:.3f}) lies within the resolution of this "
-            "figure: the two drafters accept alike on this split, and the lower held-out loss chose between them.")
+    return (f" The last evaluation (step {last['step']}: {last['val_tau']:.3f} +- {last['val_tau_se']:.3f}) lies within the resolution of "
+            "this figure: the two drafters accept alike on this split, and the lower held-out loss chose between them.")
 
 # %% ../nbs/release.ipynb #04da6699
 def _measure(cfg, trainer, probe, model, device, res):
     """The final measurement, logged to `metrics.jsonl` and the trackers, its figures added to `res`: tau beside the n-gram
-    baseline on each `eval_data` file, greedy, and sampled too at `eval_temperature`. `(taus, sampled taus, what was measured)` for the card."""
+    baseline on each `eval_data` file, greedy, and sampled too at `eval_temperature`. `(taus, sampled taus, what was measured)` for the
+    card."""
     t0 = time.time(); (t, r), (tn, rn) = probe(model), probe(NgramDrafter())
     lossless = all(x['lossless'] for x in [*r.values(), *rn.values()])
     tree, rt = {}, {}
     if cfg.eval_tree_budget:                         # the same prompts, the drafter's DDTree trees verified instead of its chain
-        tp = TauProbe(cfg.target, cfg.eval_data, cfg.eval_prompts, cfg.eval_max_new_tokens, cfg.dtype, device, tree_budget=cfg.eval_tree_budget)
+        tp = TauProbe(cfg.target, cfg.eval_data, cfg.eval_prompts, cfg.eval_max_new_tokens, cfg.dtype, device,
+                      tree_budget=cfg.eval_tree_budget)
         tp.target, tp.sets = probe.target, probe.sets                      # one target, its greedy decodes done once
         tt, rt = tp(model)
         tree, lossless = dict(tau_tree=tt, tree_budget=cfg.eval_tree_budget), lossless and all(x['lossless'] for x in rt.values())
@@ -82,8 +87,10 @@ def _measure(cfg, trainer, probe, model, device, res):
     taus = {name: t, **({f'{name}, DDTree of {cfg.eval_tree_budget} nodes': res['tau_tree']} if 'tau_tree' in res else {}),
             'n-gram prompt lookup (same loop)': tn}
     sampled = {name: res['tau_sampled'], 'n-gram prompt lookup (same loop)': res['tau_ngram_sampled']} if 'tau_sampled' in res else None
-    hot = (f' --temperature {cfg.eval_temperature:g} --top-p {cfg.eval_top_p:g} --top-k {cfg.eval_top_k} --seed {cfg.seed}') if sampled else ''
-    measured = (f"Greedy speculative decoding" + (f' (and sampled at temperature {cfg.eval_temperature:g}, top_p {cfg.eval_top_p:g}, top_k {cfg.eval_top_k})'
+    hot = (f' --temperature {cfg.eval_temperature:g} --top-p {cfg.eval_top_p:g} --top-k {cfg.eval_top_k} --seed '
+           f'{cfg.seed}') if sampled else ''
+    measured = (f"Greedy speculative decoding" + (f' (and sampled at temperature {cfg.eval_temperature:g}, top_p '
+                                                  f'{cfg.eval_top_p:g}, top_k {cfg.eval_top_k})'
                 if sampled else '') + f" of {cfg.eval_prompts} prompts of each of `{cfg.eval_data}`, {cfg.eval_max_new_tokens} new "
                 f"tokens each, at the end of training; the same measurement: `dflash_evaluate --target {target_name(cfg.target)} --drafter "
                 f"PATH --eval-data {cfg.eval_data} --num-prompts {cfg.eval_prompts} --max-new-tokens {cfg.eval_max_new_tokens}{hot}`" +
@@ -101,8 +108,9 @@ def _terms_said(terms):
     return said + ' (`--loss-terms ' + ','.join(n if w == 1 else f'{n}:{w:g}' for n, w in terms.items()) + '`)'
 
 def _loss_said(cfg, model):
-    """The card's sentence on the loss the run trained `model` with: the terms (`cfg.loss_terms`; None: its design's, e.g. DSpark's paper mix),
-    DFlash2's selector cross-entropy, DSpark's confidence BCE (with a confidence head), and the slots' weights (`cfg.loss`: decay, D-PACE or a tree's)."""
+    """The card's sentence on the loss the run trained `model` with: the terms (`cfg.loss_terms`; None: its design's, e.g. DSpark's paper
+    mix), DFlash2's selector cross-entropy, DSpark's confidence BCE (with a confidence head), and the slots' weights (`cfg.loss`: decay,
+    D-PACE or a tree's)."""
     design, B = design_of(model.config), model.block_size
     terms = parse_terms(cfg.loss_terms) if cfg.loss_terms else dict(design.default_terms)
     extra = [cfg.arch == 'dflash2' and f"{cfg.selector_alpha:g} x the selector's cross-entropy",
@@ -122,7 +130,8 @@ def _trained_how(cfg, trainer, chosen):
     data = f'the extraction `{cfg.extracted}` (offline)' if not cfg.online else f'`{cfg.data}` (online, {cfg.targets} target ranks)'
     start = f'Fine-tuned from the drafter `{cfg.init_from}`: ' if cfg.init_from else 'From random weights: '
     levers = ', '.join(filter(None, [cfg.arch == 'dflash2' and 'DFlash2', cfg.arch == 'dspark' and 'DSpark',
-                                     cfg.optimizer if cfg.optimizer != 'adamw' else 'AdamW', cfg.train_vocab and f'a training vocabulary of {cfg.train_vocab} tokens',
+                                     cfg.optimizer if cfg.optimizer != 'adamw' else 'AdamW', cfg.train_vocab and 'a training vocabulary '
+                                     f'of {cfg.train_vocab} tokens',
                                      cfg.precondition and 'preconditioned taps']))
     return start + (f'{trainer.step} optimizer steps, {trainer.tokens} tokens, on {data}, with dflash: {cfg.drafters} drafter ranks, '
                     f'lr {cfg.lr}, {cfg.num_anchors} anchors per sequence, token budget {cfg.token_budget}, seed {cfg.seed}, {levers}. '
@@ -161,16 +170,18 @@ def _served(cfg, trainer, probe, path, res):
     print(f'llama.cpp: tau {tau:.2f} (its own counters), lossless {lossless}, speed-up {speed:.2f}x on this machine', flush=True)
     r0 = next(iter(rows.values()))
     return ({'the same drafter served by llama.cpp (its counters)': tau},
-            f"\n\nServed by llama.cpp (the xllamacpp {LLAMACPP} wheel, the target in f16) on the same prompts: tau {tau:.2f} from the engine's "
-            f"own counters, its greedy output {'its own plain output (or parting from it only at near-ties)' if lossless else 'NOT its plain output'}, "
-            f"{speed:.2f}x the target's speed alone on the machine that trained it. The same measurement: `dflash_engine --target "
-            f"{target_name(cfg.target)} --drafter PATH --eval-data {cfg.eval_data} --num-prompts {cfg.eval_prompts} --max-new-tokens "
-            f"{cfg.eval_max_new_tokens}`; the server: `{r0['commands']['server']}`.")
+            f"\n\nServed by llama.cpp (the xllamacpp {LLAMACPP} wheel, the target in f16) on the same prompts: tau {tau:.2f} from the "
+            "engine's own counters, its greedy output "
+            f"{'its own plain output (or parting from it only at near-ties)' if lossless else 'NOT its plain output'}, {speed:.2f}x the "
+            f"target's speed alone on the machine that trained it. The same measurement: `dflash_engine --target {target_name(cfg.target)} "
+            f"--drafter PATH --eval-data {cfg.eval_data} --num-prompts {cfg.eval_prompts} --max-new-tokens {cfg.eval_max_new_tokens}`; the "
+            f"server: `{r0['commands']['server']}`.")
 
 # %% ../nbs/release.ipynb #5171b815
 def _vocab_form(cfg, trainer, model, probe, res):
-    """With a training vocabulary (`train_vocab`), the drafter also served with it as a head of its own (`drafter-vocab/`, `draft_vocab.ipynb`),
-    where its design has that form: `(path, {row: its tau in our loop}, the card's sentence)`, its figures in `res`; `(None, {}, '')` otherwise."""
+    """With a training vocabulary (`train_vocab`), the drafter also served with it as a head of its own (`drafter-vocab/`,
+    `draft_vocab.ipynb`), where its design has that form: `(path, {row: its tau in our loop}, the card's sentence)`, its figures in `res`;
+    `(None, {}, '')` otherwise."""
     served = design_of(model.config).served_vocab
     if trainer.vocab is None or served is None: return None, {}, ''
     vm, vocab = served.from_full(model, trainer.vocab), trainer.vocab.cpu()
@@ -179,9 +190,10 @@ def _vocab_form(cfg, trainer, model, probe, res):
     held = label_coverage(ExtractedDataset(cfg.val_extracted), vocab) if cfg.val_extracted else None
     tau = probe(vm)[0] if cfg.final_eval else None
     res.update(drafter_vocab=str(path), draft_vocab_size=K, vocab_coverage_heldout=held, tau_vocab=tau)
-    said = (f' This is its form served with a vocabulary of its own: a head over the {K:,} most frequent labels of its training data (of the '
-            f"target's {V:,} tokens; `draft_vocab_size`, `d2t`, `t2d`), {trainer.resolved.vocab_coverage:.2%} of the training labels"
-            + (f' and {held:.2%} of the held-out ones' if held is not None else '') + '; a token outside it is never drafted. The full form is `../drafter`.')
+    said = (f' This is its form served with a vocabulary of its own: a head over the {K:,} most frequent labels of its training data (of '
+            f"the target's {V:,} tokens; `draft_vocab_size`, `d2t`, `t2d`), {trainer.resolved.vocab_coverage:.2%} of the training labels"
+            + (f' and {held:.2%} of the held-out ones' if held is not None else '') + '; a token outside it is never drafted. '
+                                                                                      'The full form is `../drafter`.')
     return path, ({f"{type(model).__name__.removesuffix('DraftModel')} drafter, its own vocabulary": tau} if tau is not None else {}), said
 
 def _publish(cfg, trainer, probe, device, validator=None, engine=False):
@@ -190,7 +202,8 @@ def _publish(cfg, trainer, probe, device, validator=None, engine=False):
     trainer.opt = None; torch.cuda.empty_cache() if device.type == 'cuda' else None   # room for the evaluation target
     model, chosen = _chosen(cfg, trainer, validator, device)
     if bad := [k for k, v in model.served_state_dict().items() if not torch.isfinite(v).all()]:
-        raise FloatingPointError(f'the drafter to publish has non-finite weights ({", ".join(bad[:3])}): nothing is saved in {cfg.out}/drafter')
+        raise FloatingPointError(f'the drafter to publish has non-finite weights ({", ".join(bad[:3])}): nothing is '
+                                 f'saved in {cfg.out}/drafter')
     path = save_drafter(model, Path(cfg.out) / 'drafter', None if cfg.demo else torch.bfloat16)
     res = dict(drafter=str(path))
     if validator is not None and validator.best:

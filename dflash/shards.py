@@ -54,7 +54,8 @@ class ShardFile:
 
     def _specs(self, T, n):
         specs = [('hidden_states', self.dtype, [T, self.width])] + ([('hidden_scale', torch.float32, [T])] if self.fp8 else [])
-        if self.final: specs += [('final_hidden', self.dtype, [T, self.final])] + ([('final_scale', torch.float32, [T])] if self.fp8 else [])
+        if self.final:
+            specs += [('final_hidden', self.dtype, [T, self.final])] + ([('final_scale', torch.float32, [T])] if self.fp8 else [])
         return specs + [('cu_seqlens', torch.int64, [n + 1]), ('sample_ids', torch.int64, [n]), ('input_ids', torch.int32, [T]),
                         ('loss_mask', torch.uint8, [T])]
 
@@ -69,10 +70,12 @@ class ShardFile:
     def add(self, item):
         "Append one host batch: its hidden rows are written now."
         hs = item['hidden_states']
-        if hs.dtype != self.dtype or hs.shape[1] != self.width: raise ValueError(f'{self.path.name}: rows {hs.dtype} x {hs.shape[1]}, shard {self.dtype} x {self.width}')
+        if hs.dtype != self.dtype or hs.shape[1] != self.width:
+            raise ValueError(f'{self.path.name}: rows {hs.dtype} x {hs.shape[1]}, shard {self.dtype} x {self.width}')
         fh = item.get('final_hidden')
         if (fh is None) != (not self.final) or fh is not None and (fh.dtype != self.dtype or fh.shape != (len(hs), self.final)):
-            raise ValueError(f'{self.path.name}: final states {None if fh is None else (fh.dtype, tuple(fh.shape))}, shard {self.dtype} x {self.final} a row')
+            raise ValueError(f'{self.path.name}: final states {None if fh is None else (fh.dtype, tuple(fh.shape))}, shard '
+                             f'{self.dtype} x {self.final} a row')
         self.f.write(_bytes(hs)); self.rows += len(hs); self.nbytes += hs.nbytes
         if fh is not None: self.finals.append(fh.clone()); self.nbytes += fh.nbytes    # copies: the batch's host memory is reused
         for k in self.small:
@@ -85,7 +88,8 @@ class ShardFile:
         small = dict(hidden_scale=cat('hidden_scale', np.float32), final_scale=cat('final_scale', np.float32),
                      cu_seqlens=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
                      sample_ids=cat('sample_ids', np.int64), input_ids=cat('input_ids', np.int32), loss_mask=cat('loss_mask', np.uint8))
-        if int(small['cu_seqlens'][-1]) != self.rows: raise ValueError(f'{self.path.name}: {self.rows} rows but lengths sum to {small["cu_seqlens"][-1]}')
+        if int(small['cu_seqlens'][-1]) != self.rows:
+            raise ValueError(f'{self.path.name}: {self.rows} rows but lengths sum to {small["cu_seqlens"][-1]}')
         for name, dt, shape in self._specs(self.rows, len(lens))[1:]:
             if name != 'final_hidden': self.f.write(_bytes(torch.from_numpy(small[name])))
             else:
@@ -94,7 +98,8 @@ class ShardFile:
         h = self._header(self.rows, len(lens))
         self.f.seek(0); self.f.write(self.reserve.to_bytes(8, 'little')); self.f.write(h + b' ' * (self.reserve - len(h)))
         self.f.flush(); os.fsync(self.f.fileno()); self.f.close()
-        entry = dict(file=self.path.name, num_samples=len(lens), num_tokens=self.rows, sha256=file_sha256(self.tmp), bytes=self.tmp.stat().st_size)
+        entry = dict(file=self.path.name, num_samples=len(lens), num_tokens=self.rows, sha256=file_sha256(self.tmp),
+                     bytes=self.tmp.stat().st_size)
         os.replace(self.tmp, self.path)
         return entry
 
@@ -106,7 +111,8 @@ class ShardFile:
 
 # %% ../nbs/shards.ipynb #0241c02f
 INDEX = ('cu_seqlens', 'sample_ids', 'input_ids', 'loss_mask')   # a shard's small tensors, last in its file: what a store's index reads
-HEADER_KEYS = ('target', 'target_config_sha256', 'target_weights_sha256', 'layer_ids', 'dtype', 'compute_dtype', 'dataset_sha256', 'final_hidden')
+HEADER_KEYS = ('target', 'target_config_sha256', 'target_weights_sha256', 'layer_ids', 'dtype', 'compute_dtype', 'dataset_sha256',
+               'final_hidden')
 HEADER_LATER = ('target_weights_sha256',)    # compared only where the manifest has it (written before the key existed: not known)
 HEADER_DEFAULTS = dict(final_hidden=False)   # what a manifest written before the key existed means by its absence
 
@@ -140,7 +146,8 @@ class ShardWriter:
     "Background thread that gathers host batches into shards of about `shard_bytes` and writes them (temporary name, rename, manifest)."
     def __init__(self, out, rank=0, shard_bytes=256 << 20, depth=4, metadata=None, room=None):
         self.out, self.rank, self.shard_bytes, self.metadata, self.room = Path(out), rank, shard_bytes, metadata or {}, room
-        names = [p.name for p in self.out.glob(f'shard-w{rank}-*.safetensors')] + [s['file'] for s in (read_manifest(out) or {}).get('shards', [])]
+        names = [p.name for p in self.out.glob(f'shard-w{rank}-*.safetensors')] + [s['file']
+                                                                                   for s in (read_manifest(out) or {}).get('shards', [])]
         done = [int(n.split('.')[0].rsplit('-', 1)[1]) for n in names if n.startswith(f'shard-w{rank}-')]   # uploaded ones are listed only
         self.k, self.q, self.error, self.entries = max(done, default=-1) + 1, queue.Queue(depth), None, []
         self.thread = threading.Thread(target=self._loop, name=f'dflash-writer-w{rank}', daemon=True)
@@ -223,10 +230,12 @@ def header_diff(m, header):
     `other_weights`: one an earlier dflash recorded is compared as it was made)."""
     was = lambda k: m.get(k, HEADER_DEFAULTS.get(k))
     return [f'{k}={was(k)!r} (now {header.get(k, HEADER_DEFAULTS.get(k))!r})' for k in HEADER_KEYS if k in m or k not in HEADER_LATER
-            if was(k) != header.get(k, HEADER_DEFAULTS.get(k)) and (k != 'target_weights_sha256' or other_weights(was(k), header.get('target')))]
+            if was(k) != header.get(k, HEADER_DEFAULTS.get(k)) and (k != 'target_weights_sha256'
+                                                                    or other_weights(was(k), header.get('target')))]
 
 def open_out(out, header, overwrite=False):
-    "Create `out`'s manifest from `header`, or check an existing one (a mismatch is refused, or set aside with `overwrite`); delete orphans."
+    ("Create `out`'s manifest from `header`, or check an existing one (a mismatch is refused, or set aside with "
+     "`overwrite`); delete orphans.")
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     with manifest_lock(out):
         m = read_manifest(out)
@@ -234,7 +243,8 @@ def open_out(out, header, overwrite=False):
             set_aside(out, [p.name for p in [*out.glob('shard-*.safetensors'), out / 'metrics.jsonl', out / MANIFEST, out / 'config.json']])
             m = None
         if m is not None:
-            if diff := header_diff(m, header): raise ValueError(f'{out} holds an extraction made with ' + ', '.join(diff) + ': pass overwrite=True to start over, or use another out')
+            if diff := header_diff(m, header): raise ValueError(f'{out} holds an extraction made with ' + ', '.join(diff) + ': pass '
+                                                                'overwrite=True to start over, or use another out')
             kept, seen = [], set()
             for s in m['shards']:
                 why = _intact(out, s)
@@ -273,7 +283,8 @@ class ExtractedDataset:
         m = self.store.read_json(MANIFEST) if self.store else read_manifest(out)
         if m is None: raise FileNotFoundError(f'{self._where(MANIFEST)}: no manifest, run extract first')
         self.cache_dir, self.cache_bytes, self._cache, self._listing = cache, int(cache_gb * 2**30), None, None
-        if require_complete and not m.get('complete'): raise ValueError(f'{self.out}: the extraction is not complete (resume it with extract)')
+        if require_complete and not m.get('complete'):
+            raise ValueError(f'{self.out}: the extraction is not complete (resume it with extract)')
         self.manifest, self.layer_ids, self.hidden_size, self.verify = m, m['layer_ids'], m['hidden_size'], verify
         self.fp8, self.final_hidden = m['dtype'] == 'float8_e4m3fn', bool(m.get('final_hidden', False))
         self.dtype = dtype
@@ -299,8 +310,10 @@ class ExtractedDataset:
         self._files, self.verified = {}, set()
 
     def __len__(self): return len(self.sample_ids)
-    def __repr__(self): return f'ExtractedDataset({len(self)} samples, {int(self.lengths.sum())} tokens, layers {self.layer_ids}, {self.out})'
-    def __getstate__(self): return {**self.__dict__, '_files': {}, '_cache': None}   # file handles and the cache's threads stay in their process
+    def __repr__(self):
+        return f'ExtractedDataset({len(self)} samples, {int(self.lengths.sum())} tokens, layers {self.layer_ids}, {self.out})'
+    def __getstate__(self):
+        return {**self.__dict__, '_files': {}, '_cache': None}   # file handles and the cache's threads stay in their process
     def _where(self, name): return f'{self.out}/{name}' if self.store else self.out / name
 
     def _bad(self, s, why):
@@ -308,13 +321,15 @@ class ExtractedDataset:
                             f'(the same dflash_extract command) to extract that shard again')
 
     def _check_final(self, shapes, s, T):
-        "The final-state tensors an extraction with `final_hidden` has in every shard: `final_hidden [T, H]` (and `final_scale [T]` in fp8)."
+        ("The final-state tensors an extraction with `final_hidden` has in every shard: `final_hidden [T, H]` "
+         "(and `final_scale [T]` in fp8).")
         want = dict(final_hidden=[T, self.hidden_size], **(dict(final_scale=[T]) if self.fp8 else {}))
         got = {k: shapes.get(k) for k in want}
         if got != want: raise self._bad(s, f'its final states are {got}, the manifest says final_hidden with {want}')
 
     def shard_index(self, j, names=('cu_seqlens', 'sample_ids')):
-        "`(tensors, shapes)`: the small tensors `names` of shard `j` (numpy) and every tensor's shape; from a store by ranged reads, cached."
+        ("`(tensors, shapes)`: the small tensors `names` of shard `j` (numpy) and every tensor's shape; from a "
+         "store by ranged reads, cached.")
         s = self.manifest['shards'][j]
         if self.store:
             t, h = cached_tensors(self.store, s['file'], s['sha256'], INDEX)      # all four, read once: one span at the shard's end
@@ -323,7 +338,8 @@ class ExtractedDataset:
             return {k: f.get_tensor(k).numpy() for k in names}, {k: f.get_slice(k).get_shape() for k in f.keys()}
 
     def check_shard(self, j, listing=None):
-        "Check shard `j`'s size and sha256 (in a store: its size and ETag) against the manifest, once per shard; raises `CorruptShard` naming it."
+        ("Check shard `j`'s size and sha256 (in a store: its size and ETag) against the manifest, once per shard; "
+         "raises `CorruptShard` naming it.")
         if j in self.verified: return
         s = self.manifest['shards'][j]
         if self.store and listing is None: listing = self._listing = self._listing or self.store.listing()   # listed once
@@ -335,12 +351,14 @@ class ExtractedDataset:
         "The local cache a store's shards are read through (made at the first read)."
         if self._cache is None:
             folder = self.cache_dir or own_folder(cache_dir() / 'store-cache' / hashlib.sha256(self.out.encode()).hexdigest()[:16])
-            self._cache = ShardCache(self.store, self.manifest['shards'], folder, self.cache_bytes, on_evict=lambda j: self._files.pop(j, None))
+            self._cache = ShardCache(self.store, self.manifest['shards'], folder, self.cache_bytes,
+                                     on_evict=lambda j: self._files.pop(j, None))
         return self._cache
 
     def schedule(self, batches):
         "The micro-batches (lists of sample rows) about to be read, in order: a store's shards are fetched ahead of them."
-        if self.store: self.cache().schedule([self._shard[np.asarray(b, dtype=np.int64)] for b in batches])   # (a local folder: nothing to do)
+        if self.store:
+            self.cache().schedule([self._shard[np.asarray(b, dtype=np.int64)] for b in batches])   # (a local folder: nothing to do)
 
     def at(self, k):
         "The reader is at micro-batch `k` of the `schedule`."
@@ -387,7 +405,8 @@ class ExtractedDataset:
                 else: out[sk] = scale
             elif self.dtype is not None: x = x.to(self.dtype)
             out[key] = x
-        return dict(out, input_ids=f.get_slice('input_ids')[a:b].long(), loss_mask=f.get_slice('loss_mask')[a:b].bool(), sample_id=int(self.sample_ids[i]))
+        return dict(out, input_ids=f.get_slice('input_ids')[a:b].long(), loss_mask=f.get_slice('loss_mask')[a:b].bool(),
+                    sample_id=int(self.sample_ids[i]))
 
     def token_ids(self):
         "The distinct token ids of every shard (their `input_ids` alone are read)."

@@ -41,7 +41,8 @@ def walk(committed, max_new_tokens=None):
     n, i, seen = len(committed), 0, []
     cap = n + 1 if max_new_tokens is None else max_new_tokens
     while i < n and i + 1 < cap:
-        c = min(int(committed[i]), cap - 1 - i, n - i)     # new tokens so far: i + 1; a block adds at most cap - (i + 1), and n - i are left
+        c = min(int(committed[i]), cap - 1 - i, n - i)     # new tokens so far: i + 1; a block adds at
+                                                           # most cap - (i + 1), and n - i are left
         seen.append(c); i += c
     return seen
 
@@ -83,10 +84,12 @@ def calibration(cal, bins):
     (n, p, h), (bn, bp, bh) = cal, bins
     R = int(np.nonzero(n.sum(0))[0].max()) + 1 if n.any() else 0
     table = lambda s, c: [_per(a, b) for a, b in zip(s, c)]
-    pool = lambda r: dict(nodes=n[:, r].sum(1).astype(int).tolist(), stated=_per(p[:, r].sum(1), n[:, r].sum(1)), measured=_per(h[:, r].sum(1), n[:, r].sum(1)))
+    pool = lambda r: dict(nodes=n[:, r].sum(1).astype(int).tolist(), stated=_per(p[:, r].sum(1), n[:, r].sum(1)),
+                          measured=_per(h[:, r].sum(1), n[:, r].sum(1)))
     return dict(ece=[float(np.abs(bp[d] - bh[d]).sum() / bn[d].sum()) if bn[d].sum() else None for d in range(len(bn))],
                 nodes=n[:, :R].astype(int).tolist(), stated=table(p[:, :R], n[:, :R]), measured=table(h[:, :R], n[:, :R]),
-                spine=pool(slice(0, 1)), siblings=pool(slice(1, None)), ece_bins=dict(blocks=bn.astype(int).tolist(), stated=table(bp, bn), measured=table(bh, bn)))
+                spine=pool(slice(0, 1)), siblings=pool(slice(1, None)), ece_bins=dict(blocks=bn.astype(int).tolist(), stated=table(bp, bn),
+                                                                                      measured=table(bh, bn)))
 
 # %% ../nbs/validate.ipynb #d433276d
 def _ratio(y, m):
@@ -97,7 +100,8 @@ def _ratio(y, m):
     return float(tau), math.sqrt((e ** 2).sum() / (len(m) * (len(m) - 1)))
 
 class Acceptance:
-    "Sums of held-out acceptance over forwards: blocks, committed tokens, slots accepted, loss, and per sequence; with `tree_budgets`, the trees'."
+    ("Sums of held-out acceptance over forwards: blocks, committed tokens, slots accepted, loss, and per sequence; with "
+     "`tree_budgets`, the trees'.")
     def __init__(self, block_size, max_new_tokens=None, tree_budgets=()):
         self.B, self.max_new_tokens = block_size, max_new_tokens
         self.accept, self.loss, self.weight, self.seqs, self.walks = np.zeros(block_size - 1), 0.0, 0.0, [], []
@@ -114,7 +118,8 @@ class Acceptance:
         ok = (valid.bool() & (out.labels[..., 0] != -100)).cpu()
         for r in range(len(n)):
             k = n[r][ok[r]]
-            if len(k): self.seqs.append((int(k.sum()), len(k))); self.seqs_at.append([int(k.clamp(max=j + 1).sum()) for j in range(1, self.B)])
+            if len(k):
+                self.seqs.append((int(k.sum()), len(k))); self.seqs_at.append([int(k.clamp(max=j + 1).sum()) for j in range(1, self.B)])
             if every and len(k): self.walks += walk(_first_reply(out.anchors[r].cpu(), ok[r], n[r]), self.max_new_tokens)
         self.accept += np.array([(n[ok] > k).sum().item() for k in range(1, self.B)])
         self.loss += out.loss.item() * out.weight.item(); self.weight += out.weight.item()
@@ -135,14 +140,16 @@ class Acceptance:
         y, m = (np.array(self.seqs, dtype=float).T if self.seqs else np.zeros((2, 0)))
         blocks, (tau, se) = m.sum(), _ratio(y, m)
         at = [_ratio(y_n, m) for y_n in np.array(self.seqs_at, dtype=float).reshape(-1, self.B - 1).T]
-        r = dict(val_tau=tau, val_tau_se=se, val_accept=(self.accept / max(blocks, 1)).tolist(), val_loss=self.loss / max(self.weight, 1e-12),
-                 val_blocks=int(blocks), val_sequences=len(m), val_tau_walk=float(np.mean(self.walks)) if self.walks else None,
-                 val_tau_at=[a[0] for a in at], val_tau_at_se=[a[1] for a in at])
+        r = dict(val_tau=tau, val_tau_se=se, val_accept=(self.accept / max(blocks, 1)).tolist(),
+                 val_loss=self.loss / max(self.weight, 1e-12), val_blocks=int(blocks), val_sequences=len(m),
+                 val_tau_walk=float(np.mean(self.walks)) if self.walks else None, val_tau_at=[a[0] for a in at],
+                 val_tau_at_se=[a[1] for a in at])
         if self.budgets:
             t = np.array(self.trees, dtype=float).reshape(-1, len(self.budgets))
             fig, c = [_ratio(t[:, j], m) for j in range(len(self.budgets))], calibration(self.cal, self.bins)
-            r.update(val_tree_tau={str(b): f[0] for b, f in zip(self.budgets, fig)}, val_tree_tau_se={str(b): f[1] for b, f in zip(self.budgets, fig)},
-                     val_ece=c['ece'], val_tree_s=self.tree_s, val_calibration=dict(budget=self.budgets[-1], **c))
+            r.update(val_tree_tau={str(b): f[0] for b, f in zip(self.budgets, fig)},
+                     val_tree_tau_se={str(b): f[1] for b, f in zip(self.budgets, fig)}, val_ece=c['ece'], val_tree_s=self.tree_s,
+                     val_calibration=dict(budget=self.budgets[-1], **c))
         if self.conf: r.update(_confidence_reading(*(torch.cat(x) for x in zip(*self.conf))))
         return r
 
@@ -175,7 +182,8 @@ def catch_final_states(drafter):
 def labelled_states(drafter, seen, out, valid, input_ids):
     """The forward's blocks that have a label, from the final states it left in `seen`: their drafted slots' states [N, L, H] (the last
     `draft_len` of each block), their roots [N] (the token at each anchor, before the first drafted slot) and their labels [N, L]."""
-    if len(seen) != 1: raise RuntimeError(f"the drafter's final norm ran {len(seen)} times in one forward: the tree reading takes its one output as the slots' states")
+    if len(seen) != 1: raise RuntimeError(f"the drafter's final norm ran {len(seen)} times in one forward: the tree reading takes its one "
+                                          "output as the slots' states")
     ok = valid.bool().to(out.labels.device) & (out.labels[..., 0] != -100)
     h = seen.pop().view(*ok.shape, drafter.block_size, -1)[:, :, drafter.block_size - drafter.draft_len:][ok]
     return h, input_ids.to(out.anchors.device).gather(1, out.anchors)[ok], out.labels[ok]
@@ -210,13 +218,15 @@ def heldout_forwards(drafter, xds, token_budget=8192, anchors=None, max_samples=
             hs, ids, lm = collate(torch.cat([r['hidden_states'] for r in rows]), torch.cat([r['input_ids'] for r in rows]),
                                   torch.cat([r['loss_mask'] for r in rows]), [len(r['input_ids']) for r in rows])
             a, valid = sample_anchors(lm, anchors or ids.shape[1], anchor_generator(seed, 0, j))
-            yield [int(i) for i in batch], drafter(hs.to(dev), ids.to(dev), lm.to(dev), anchors=a.to(dev), anchor_valid=valid.to(dev), chunk=1024, terms='ce'), valid, ids
+            yield [int(i) for i in batch], drafter(hs.to(dev), ids.to(dev), lm.to(dev), anchors=a.to(dev), anchor_valid=valid.to(dev),
+                                                   chunk=1024, terms='ce'), valid, ids
     finally:
         drafter.train(was)
         if own: xds.close()                      # opened here: its files closed (a store's cached shards deleted)
 
 @torch.no_grad()
-def heldout_acceptance(drafter, xds, token_budget=8192, anchors=None, max_samples=None, max_new_tokens=None, seed=0, tree_budgets=(), progress=False):
+def heldout_acceptance(drafter, xds, token_budget=8192, anchors=None, max_samples=None, max_new_tokens=None, seed=0, tree_budgets=(),
+                       progress=False):
     """Held-out acceptance of `drafter` (a `DFlashDraftModel`, its target attached) on `xds` (an `ExtractedDataset` or its path);
     `max_new_tokens` caps the walk as the loop caps a decode; `tree_budgets`: DDTree's trees of these budgets too, from the same
     forward, each grown as the drafter grows its trees in the loop. Returns `Acceptance.result()`."""
@@ -241,7 +251,8 @@ def check_best(d):
     try:
         best = json.loads((d / 'BEST.json').read_text())
         float(best['val_tau']), int(best['step'])
-    except (ValueError, KeyError, TypeError) as e: raise ValueError(f'{d / "BEST.json"} is not a best-drafter record ({type(e).__name__}: {e}); {fix}') from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f'{d / "BEST.json"} is not a best-drafter record ({type(e).__name__}: {e}); {fix}') from None
     return best
 
 SPEEDUP = 'val_speedup'      # the figure of the speed-up predicted for the run's engine profile (`dflash.speedup`)
@@ -256,10 +267,12 @@ def tree_budget(by):
 
 def tree_budgets(v):
     "The tree budgets a setting asks for: ascending, once each, from a list or comma-separated text; 'none' (or empty): 'none'."
-    if v is None or (isinstance(v, (list, tuple)) and not v) or (isinstance(v, str) and v.strip().lower() in ('', 'none', 'off')): return 'none'
+    if v is None or (isinstance(v, (list, tuple)) and not v) or (isinstance(v, str) and v.strip().lower() in ('', 'none', 'off')):
+        return 'none'
     try: b = sorted({int(x) for x in (v.replace(' ', '').strip('[]').split(',') if isinstance(v, str) else v)})
     except (TypeError, ValueError): b = [0]
-    if b[0] < 1: raise ValueError(f"val_tree_budgets={v!r}: DDTree budgets (verify positions) as positive integers, comma-separated; 'none': off")
+    if b[0] < 1:
+        raise ValueError(f"val_tree_budgets={v!r}: DDTree budgets (verify positions) as positive integers, comma-separated; 'none': off")
     check_tree_budget(b[-1], 'val_tree_budgets')                      # at most MAX_TREE_BUDGET nodes, refused with the reason
     return b
 
@@ -271,8 +284,8 @@ def check_best_by(by, budgets, profile=None):
                          "engine-profile.json that dflash_engine writes)")
     b, have = tree_budget(by), [] if tree_budgets(budgets) == 'none' else tree_budgets(budgets)
     if b is not None and b not in have:
-        raise ValueError(f"best_by={by!r}: the held-out reading measures trees of val_tree_budgets={','.join(map(str, have)) or 'none'} only: add {b} "
-                         f"there, or choose {' or '.join(['val_tau', *[f'val_tree_tau@{x}' for x in have]])}")
+        raise ValueError(f"best_by={by!r}: the held-out reading measures trees of val_tree_budgets={','.join(map(str, have)) or 'none'} "
+                         f"only: add {b} there, or choose {' or '.join(['val_tau', *[f'val_tree_tau@{x}' for x in have]])}")
     return by
 
 def figure(r, by='val_tau'):
@@ -288,8 +301,9 @@ def speedup_figures(r, profile):
     pred = predict(r['val_accept'], profile, taus=dict(enumerate(r['val_tau_at'], 1)))
     if (b := pred['best']) is None: return {}
     se = r['val_tau_at_se'][b['n'] - 1] * profile['decode_ms'] / b['step_ms'] if b['step_ms'] else float('nan')
-    return dict(val_speedup=b['speedup'], val_speedup_se=se, val_speedup_n=b['n'], val_speedup_by_n={str(x['n']): x['speedup'] for x in pred['rows']},
-                val_speedup_profile=profile.get('name') or profile.get('path'))
+    return dict(val_speedup=b['speedup'], val_speedup_se=se, val_speedup_n=b['n'],
+                val_speedup_by_n={str(x['n']): x['speedup'] for x in pred['rows']}, val_speedup_profile=profile.get('name')
+                or profile.get('path'))
 
 def resolution(a, b, by='val_tau'):
     "The standard errors of two held-out records' figure `by` together: differences within it are not told apart."
@@ -347,17 +361,21 @@ class Validator:
         s = rec.get('val_tree_s') or 0.0
         if self.warn_tree_s is None or s <= self.warn_tree_s or s < 0.5 * rec['val_eval_s']: return
         bs = self.args['tree_budgets']
-        print(f"warning: held-out: the DDTree trees of val_tree_budgets={','.join(map(str, bs))} took {s:.0f} s of this {rec['val_eval_s']:.0f} s "
-              f"evaluation, and will at every one (a tree of up to {bs[-1]} nodes for each of {rec['val_blocks']} blocks): fewer or smaller budgets, or val_anchors / val_samples, make it cheaper", file=sys.stderr, flush=True)
+        print(f"warning: held-out: the DDTree trees of val_tree_budgets={','.join(map(str, bs))} took {s:.0f} s of this "
+              f"{rec['val_eval_s']:.0f} s evaluation, and will at every one (a tree of up to {bs[-1]} nodes for each of "
+              f"{rec['val_blocks']} blocks): fewer or smaller budgets, or val_anchors / val_samples, make it cheaper", file=sys.stderr,
+              flush=True)
         self.warn_tree_s = None
 
     def measure(self, model, step=None):
-        "`heldout_acceptance` of `model`; its tree calibration (with `step`: appended to `out/tree_calibration.jsonl`) is not in the record."
+        ("`heldout_acceptance` of `model`; its tree calibration (with `step`: appended to "
+         "`out/tree_calibration.jsonl`) is not in the record.")
         r = heldout_acceptance(model, self.xds, **self.args)
         if self.profile: r.update(speedup_figures(r, self.profile))
         table = r.pop('val_calibration', None)
         if table is not None and step is not None:
-            self.out.mkdir(parents=True, exist_ok=True); append_jsonl(self.out / TREE_CALIBRATION, dict(step=step, **table, time=time.time()))
+            self.out.mkdir(parents=True, exist_ok=True)
+            append_jsonl(self.out / TREE_CALIBRATION, dict(step=step, **table, time=time.time()))
         return r
 
     def _remeasure(self, model):
@@ -365,13 +383,16 @@ class Validator:
         kept = drafter_class(self.dir).from_pretrained(self.dir).to(model.fc.weight.device)
         kept.attach_target(embed_tokens=model._io()[0], lm_head=model._io()[1])
         r = self.measure(kept)
-        was = {k: self.best[k] for k in ('val_tau', 'val_tau_se', 'val_loss', 'val_tree_tau', 'val_tree_tau_se', 'val_speedup', 'val_speedup_se') if k in self.best}
+        was = {k: self.best[k] for k in ('val_tau', 'val_tau_se', 'val_loss', 'val_tree_tau', 'val_tree_tau_se', 'val_speedup',
+                                         'val_speedup_se') if k in self.best}
         before, after = figure(self.best, self.by)[0], figure(r, self.by)[0]
         self.best = {**self.best, **r, 'remeasured_from': was}; self.stale = False
         write_json_atomic(self.dir / 'BEST.json', self.best)
         print(f"held-out: the kept best (step {self.best['step']}) measured again on the new split and figures: {self.by} "
               f"{'none' if before is None else f'{before:.3f}'} -> {after:.3f}", flush=True)
-        return dict(step=self.best['step'], before=was['val_tau'], after=r['val_tau'], **({} if self.by == 'val_tau' else dict(by=self.by, by_before=before, by_after=after)))
+        return dict(step=self.best['step'], before=was['val_tau'], after=r['val_tau'], **({} if self.by == 'val_tau'
+                                                                                          else dict(by=self.by, by_before=before,
+            by_after=after)))
 
     def keep(self, model, rec):
         tmp, old = self.dir.with_name('.best.tmp'), self.dir.with_name('.best.old')

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
-from .core import TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, out_param, run_cli, claim_out, write_json_atomic, file_sha256
+from .core import (TINY_TARGET, TRAIN_DATA, RUNS, Job, param, target_param, out_param, run_cli, claim_out, write_json_atomic,
+                         file_sha256)
 from .gguf import by_name, CONTINUATION
 from .taps import load_tokenizer, target_name, tokenizer_sha256
 
@@ -36,7 +37,8 @@ def read_rows(path):
     try: doc = json.loads(text)
     except json.JSONDecodeError as e:
         if text.lstrip().startswith('['):
-            raise DataError(f'{path}: not valid JSON; first bad line {e.lineno}: {e.msg}: {text.split(chr(10))[e.lineno - 1][:80]!r}') from None
+            raise DataError(f'{path}: not valid JSON; first bad line {e.lineno}: {e.msg}: '
+                            f'{text.split(chr(10))[e.lineno - 1][:80]!r}') from None
         doc = None
     if isinstance(doc, list): return list(enumerate(doc, 1))
     if isinstance(doc, dict): return [(1, doc)]
@@ -98,12 +100,14 @@ def cut_replies(rec, msgs):
             raise BadRow('bad turn', f'truncated_messages={str(which)[:40]}: not a list of indices of assistant turns')
         return sorted(set(which))
     if n is None or n == 0: return []
-    if type(n) is not int or not 0 < n <= len(replies): raise BadRow('bad turn', f'truncated_turns={n!r}: not a count of its {len(replies)} replies')
+    if type(n) is not int or not 0 < n <= len(replies):
+        raise BadRow('bad turn', f'truncated_turns={n!r}: not a count of its {len(replies)} replies')
     return replies   # a count alone does not say which
 
 # %% ../nbs/data.ipynb #b785a528
 def load_conversations(path, max_samples=None, need_answer=True, keep_empty=False):
-    "Valid conversations `[dict(id, row, file, messages, cut)]` of `path` (`cut`: `cut_replies`), and the problems `[dict(file, row, reason, detail)]`."
+    ("Valid conversations `[dict(id, row, file, messages, cut)]` of `path` (`cut`: `cut_replies`), and the problems "
+     "`[dict(file, row, reason, detail)]`.")
     convs, problems, seen = [], [], set()
     for row, rec in read_rows(path)[:max_samples]:
         try:
@@ -207,16 +211,19 @@ def encode_all(tok, convs, max_length=2048, min_loss_tokens=1, batch_size=512):
         texts, spans, ok = [], [], []
         for c in convs[b:b + batch_size]:
             try: t, s = assistant_spans(tok, c['messages'], specials, c.get('cut', ()))
-            except BadRow as e: problems.append(dict(file=c.get('file'), row=c['row'], id=c['id'], reason=e.reason, detail=e.detail)); continue
+            except BadRow as e:
+                problems.append(dict(file=c.get('file'), row=c['row'], id=c['id'], reason=e.reason, detail=e.detail)); continue
             except Exception as e:  # the template itself refused the conversation
-                problems.append(dict(file=c.get('file'), row=c['row'], id=c['id'], reason='template error', detail=f'{type(e).__name__}: {e}'[:200])); continue
+                problems.append(dict(file=c.get('file'), row=c['row'], id=c['id'], reason='template error', detail=f'{type(e).__name__}: '
+                                     f'{e}'[:200])); continue
             texts.append(t); spans.append(s); ok.append(c)
         enc = tok(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else dict(input_ids=[], offset_mapping=[])
         for c, t, s, ids, off in zip(ok, texts, spans, enc['input_ids'], enc['offset_mapping']):
             ids, mask = np.array(ids, np.int32), spans_to_mask(off, s, len(t))
             if len(ids) > max_length: ids, mask, n_trunc = ids[:max_length], mask[:max_length], n_trunc + 1
             if (n := int(mask.sum())) < min_loss_tokens:
-                problems.append(dict(file=c.get('file'), row=c['row'], id=c['id'], reason='too few loss tokens', detail=f'{n} < {min_loss_tokens}')); continue
+                problems.append(dict(file=c.get('file'), row=c['row'], id=c['id'], reason='too few loss tokens', detail=f'{n} < '
+                                     f'{min_loss_tokens}')); continue
             samples.append(dict(id=c['id'], input_ids=ids, loss_mask=mask))
         pbar.update(len(convs[b:b + batch_size]))
     pbar.close()
@@ -249,7 +256,8 @@ class TokenizedDataset:
         for f, a in zip(self.files, (self.input_ids, self.loss_mask, self.offsets)):
             with open(path / (f + '.tmp'), 'wb') as fh: np.save(fh, np.asarray(a))
             os.replace(path / (f + '.tmp'), path / f)
-        meta = {**self.meta, 'n': len(self), 'tokens': int(self.offsets[-1]), 'loss_tokens': int(np.sum(self.loss_mask, dtype=np.int64)), 'ids': self.ids}
+        meta = {**self.meta, 'n': len(self), 'tokens': int(self.offsets[-1]), 'loss_tokens': int(np.sum(self.loss_mask, dtype=np.int64)),
+                'ids': self.ids}
         (path / 'meta.json.tmp').write_text(json.dumps(meta)); os.replace(path / 'meta.json.tmp', path / 'meta.json')
         return self.load(path)
 
@@ -269,7 +277,8 @@ class TokenizedDataset:
         if not -n <= i < n: raise IndexError(f'sample {i} of a dataset of {n}')
         i = int(i) % n; s, e = self.offsets[i], self.offsets[i + 1]
         return dict(input_ids=np.array(self.input_ids[s:e]), loss_mask=np.array(self.loss_mask[s:e]), id=self.ids[i])
-    def __repr__(self): return f'TokenizedDataset({len(self)} samples, {int(self.offsets[-1])} tokens' + (f', {self.path})' if self.path else ')')
+    def __repr__(self):
+        return f'TokenizedDataset({len(self)} samples, {int(self.offsets[-1])} tokens' + (f', {self.path})' if self.path else ')')
 
 # %% ../nbs/data.ipynb #0a921580
 def _stats(self):
@@ -310,7 +319,8 @@ class PrepareConfig(Job):
     strict: bool = param(False, 'stop with a list of the bad rows instead of skipping them')
     max_samples: int | None = param(None, 'only read the first rows', min=1)
     allow_empty: bool = param(False, 'save an empty dataset when no row is usable, instead of stopping with the reasons')
-    keep_empty_replies: bool = param(False, 'keep rows with an empty assistant reply (each trains on a lone end-of-turn token); default: skip and count them')
+    keep_empty_replies: bool = param(False, 'keep rows with an empty assistant reply (each trains on a lone end-of-turn token); '
+                                            'default: skip and count them')
 
     def check(self):
         if self.data is None: self.set('data', str(TRAIN_DATA), 'the embedded train split')
@@ -378,7 +388,8 @@ def prepare(*args, tokenizer=None, **kw):
     if not samples and not job.allow_empty:
         counts, name = Counter(p['reason'] for p in problems + tprobs), failed_report(problems + tprobs)
         raise DataError(f'{job.data}: none of its {rows} rows is usable (' + ', '.join(f'{n} {r}' for r, n in counts.most_common())
-                        + f'); the rows and reasons are in {out / name}; allow_empty=True saves an empty dataset' + (f'. {hint}' if hint else ''))
+                        + f'); the rows and reasons are in {out / name}; allow_empty=True saves an empty dataset'
+                        + (f'. {hint}' if hint else ''))
     meta = dict(source=report['file'], tokenizer=report['target'], max_length=job.max_length, min_loss_tokens=job.min_loss_tokens,
                 chat_template_sha256=hashlib.sha256(str(tok.chat_template).encode()).hexdigest(), tokenizer_sha256=tokenizer_sha256(tok),
                 truncated=n_trunc, cut_replies=(n_cut := _n_cut(convs, samples)))
@@ -393,8 +404,8 @@ def prepare(*args, tokenizer=None, **kw):
     finally: shutil.rmtree(new, ignore_errors=True)
     few = sum(p['reason'] == 'too few loss tokens' for p in tprobs)
     print(f'{len(ds)} of {rows} rows tokenized in {time.time() - t0:.1f}s: {n_trunc} truncated to {job.max_length} tokens, '
-          f'{few} dropped with < {job.min_loss_tokens} loss tokens, {n_cut} replies cut at max_new_tokens (trained without their end of turn); '
-          f'dataset and report.json in {out}')
+          f'{few} dropped with < {job.min_loss_tokens} loss tokens, {n_cut} replies cut at max_new_tokens (trained without their end of '
+          f'turn); dataset and report.json in {out}')
     return TokenizedDataset.load(out)
 
 # %% ../nbs/data.ipynb #df846774

@@ -33,7 +33,8 @@ class DFlashVocabDraftModel(DFlashDraftModel):
         return out
 
     def attach_target(self, *a, **kw):
-        "As a DFlash drafter; its own head then computes in the target head's dtype, as the full form's logits are (the same rows, the same numbers)."
+        ("As a DFlash drafter; its own head then computes in the target head's dtype, as the full form's logits are (the "
+         "same rows, the same numbers).")
         super().attach_target(*a, **kw); self.lm_head.to(self._io()[1].weight.dtype)
         return self
 
@@ -54,19 +55,21 @@ class DFlashVocabDraftModel(DFlashDraftModel):
     def draft_hits(self, h, labels, hit, chunk=4096):
         "Whether each labelled row drafts its label from its own head: the argmax over the draft vocabulary, mapped to the target's ids."
         ids, W = self.draft_ids, self.lm_head.weight
-        return torch.cat([ids[F.linear(h[i:i + chunk].to(W.dtype), W).argmax(-1)] == labels[i:i + chunk] for i in range(0, len(h), chunk)]) if len(h) else hit
+        return torch.cat([ids[F.linear(h[i:i + chunk].to(W.dtype), W).argmax(-1)] == labels[i:i + chunk]
+                          for i in range(0, len(h), chunk)]) if len(h) else hit
 
     def check_head(self, where='the drafter'):
         """Its own head holds the target head's rows at `draft_ids`, as `from_full` makes it (to the rounding of its dtype): a `ValueError`
-        naming `where` and the first row that does not (a permuted `d2t`, a head of other tokens), which would draft what it does not score."""
+        naming `where` and the first row that does not (a permuted `d2t`, a head of other tokens), which would draft what it does not
+        score."""
         T = self._io()[1].weight
         want, W = T[self.draft_ids.to(T.device)].float(), self.lm_head.weight.to(T.device).float()
         err = (W - want).norm(dim=1) / torch.maximum(want.norm(dim=1), W.norm(dim=1)).clamp_min(1e-12)
         if (bad := (err > 0.05).nonzero()[:, 0]).numel():
             i = int(bad[0])
             raise ValueError(f"{where}: its own head's row {i} is not the target head's row {int(self.draft_ids[i])}, the token d2t maps "
-                             f'it to ({len(bad)} of {len(err)} rows differ: d2t permuted, or a head of other tokens): publish it again from '
-                             'its full form')
+                             f'it to ({len(bad)} of {len(err)} rows differ: d2t permuted, or a head of other tokens): publish it again '
+                             'from its full form')
         return self
 
     @classmethod
@@ -74,10 +77,12 @@ class DFlashVocabDraftModel(DFlashDraftModel):
         """The served form of the DFlash drafter `model` (its target attached) over the target ids `ids`: the same weights (a feature scale
         folded into `fc`), the target head's rows of `ids` as its own head, the map both ways; attached to the same target."""
         emb, head = model._io()
-        if getattr(head, 'bias', None) is not None: raise ValueError("the target's head has a bias: a served vocabulary takes its rows only")
+        if getattr(head, 'bias', None) is not None:
+            raise ValueError("the target's head has a bias: a served vocabulary takes its rows only")
         ids = torch.as_tensor(ids, dtype=torch.long).unique().cpu()
         if len(ids) == 0 or ids[0] < 0 or ids[-1] >= model.config.vocab_size:
-            raise ValueError(f'draft vocabulary: ids in 0..{model.config.vocab_size - 1}, got {len(ids)} from {ids[:1].tolist()} to {ids[-1:].tolist()}')
+            raise ValueError(f'draft vocabulary: ids in 0..{model.config.vocab_size - 1}, got {len(ids)} from '
+                             f'{ids[:1].tolist()} to {ids[-1:].tolist()}')
         m = cls(type(model.config).from_dict({**model.config.to_dict(), 'draft_vocab_size': len(ids)}))
         m.load_state_dict(model.served_state_dict(), strict=False)
         with torch.no_grad():
@@ -87,8 +92,8 @@ class DFlashVocabDraftModel(DFlashDraftModel):
 
 # %% ../nbs/draft_vocab.ipynb #8c92f964
 def check_vocab_maps(drafter):
-    """The served vocabulary of the drafter saved in the folder `drafter`: `d2t` [K], `t2d` [V], its own head [K, H] and `draft_vocab_size` K
-    against each other and the target's V tokens (every draft id a distinct target id, `t2d` marking exactly those); a full form must hold
+    """The served vocabulary of the drafter saved in the folder `drafter`: `d2t` [K], `t2d` [V], its own head [K, H] and `draft_vocab_size`
+    K against each other and the target's V tokens (every draft id a distinct target id, `t2d` marking exactly those); a full form must hold
     none of them. Returns the K target ids (None for a full form, or no weights yet); a `ValueError` naming the file and what is wrong."""
     from safetensors import safe_open
     d = Path(drafter); f, c = d / 'model.safetensors', json.loads((Path(drafter) / 'config.json').read_text())
@@ -101,9 +106,9 @@ def check_vocab_maps(drafter):
     except Exception: return None                                     # unreadable: the load that follows names it
     if not K:
         if maps or rows is not None:
-            raise ValueError(f"{f} holds a vocabulary of its own (its head and {', '.join(maps) or 'no maps'}), but {d / 'config.json'} has "
-                             "no draft_vocab_size: it would load as the full form, drafting from the target's head; restore draft_vocab_size "
-                             f"({rows} rows)")
+            raise ValueError(f"{f} holds a vocabulary of its own (its head and {', '.join(maps) or 'no maps'}), but {d / 'config.json'} "
+                             "has no draft_vocab_size: it would load as the full form, drafting from the target's head; restore "
+                             f"draft_vocab_size ({rows} rows)")
         return None
     bad = lambda why: ValueError(f'{f}: {why} (draft_vocab_size {K}, a target of {V} tokens): its served vocabulary is not what it says; '
                                  'publish it again from its full form')
@@ -124,7 +129,8 @@ def check_vocab_maps(drafter):
 
 # %% ../nbs/draft_vocab.ipynb #922921cf
 def label_coverage(xds, ids):
-    "The share of the labels (tokens under the loss mask) of the extraction `xds` (an `ExtractedDataset`) that are among the token ids `ids`."
+    ("The share of the labels (tokens under the loss mask) of the extraction `xds` (an `ExtractedDataset`) that "
+     "are among the token ids `ids`.")
     import numpy as np
     hit = n = 0
     for j in range(len(xds.manifest['shards'])):
@@ -135,7 +141,8 @@ def label_coverage(xds, ids):
 
 # %% ../nbs/draft_vocab.ipynb #e893954c
 def full_form(drafter, out):
-    "The full form of the served-vocabulary drafter in the directory `drafter`, written to `out`: its config without `draft_vocab_size`, its weights without `lm_head` and the maps."
+    ("The full form of the served-vocabulary drafter in the directory `drafter`, written to `out`: its config without `draft_vocab_size`, "
+     "its weights without `lm_head` and the maps.")
     from safetensors.torch import load_file, save_file
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     c = json.loads((Path(drafter) / 'config.json').read_text()); c.pop('draft_vocab_size', None)
@@ -150,7 +157,8 @@ def add_gguf_head(gguf_file, drafter, outtype='f16'):
     import numpy as np
     from gguf import GGUFReader, GGUFWriter, GGUFValueType, GGMLQuantizationType
     from safetensors import safe_open
-    if (ids := check_vocab_maps(drafter)) is None: raise ValueError(f'{drafter}: no draft_vocab_size: a full form has no head of its own to add')
+    if (ids := check_vocab_maps(drafter)) is None:
+        raise ValueError(f'{drafter}: no draft_vocab_size: a full form has no head of its own to add')
     with safe_open(Path(drafter) / 'model.safetensors', 'pt') as s: W = s.get_tensor('lm_head.weight')
     ids = ids.numpy().astype(np.int64)                                 # checked: K distinct ids of the target's vocabulary
     W = W.float().numpy().astype(np.float32 if outtype == 'f32' else np.float16)
@@ -161,7 +169,8 @@ def add_gguf_head(gguf_file, drafter, outtype='f16'):
         if f.name == 'general.architecture' or f.name.startswith('GGUF.'): continue
         t = f.types[0]; w.add_key_value(f.name, f.contents(), t, sub_type=f.types[-1] if t == GGUFValueType.ARRAY else None)
     for t in r.tensors: w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    w.add_tensor_info('output.weight', W.shape, W.dtype, W.nbytes); w.add_tensor_info('d2t', ids.shape, ids.dtype, ids.nbytes, GGMLQuantizationType.I64)
+    w.add_tensor_info('output.weight', W.shape, W.dtype, W.nbytes)
+    w.add_tensor_info('d2t', ids.shape, ids.dtype, ids.nbytes, GGMLQuantizationType.I64)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_ti_data_to_file()
     for t in r.tensors: w.write_tensor_data(t.data, tensor_endianess=r.endianess)
     w.write_tensor_data(W); w.write_tensor_data(ids); w.close()

@@ -40,7 +40,8 @@ class DSparkConfig(DFlashConfig):
         dc = dict(self.dflash_config or {})
         for k in _LIFTED:                                     # top-level copies: into dflash_config, where the parent keeps them
             v = kwargs.pop(k, None)
-            if v is not None and dc.get(k) is not None and dc[k] != v: raise ValueError(f'{k}: {v} at the top level, {dc[k]} in dflash_config')
+            if v is not None and dc.get(k) is not None and dc[k] != v:
+                raise ValueError(f'{k}: {v} at the top level, {dc[k]} in dflash_config')
             if v is not None: dc[k] = v
         for k in _MIRRORED:                                   # dflash_config copies: out, checked against the top level
             if k not in dc: continue
@@ -69,7 +70,8 @@ def _check(c):
 def dspark_config(target_config, num_hidden_layers=5, block_size=7, mask_token_id=None, target_layer_ids=None, markov_rank=256,
                   confidence=True, **kw):
     """A `DSparkConfig` for a DSpark drafter on `target_config`: `drafter_config`'s backbone (`kw`: its other arguments), B =
-    `block_size` slots that all predict, a vanilla Markov head of rank `markov_rank`, and the confidence head unless `confidence` is False."""
+    `block_size` slots that all predict, a vanilla Markov head of rank `markov_rank`, and the confidence head unless `confidence` is
+    False."""
     c = drafter_config(target_config, num_hidden_layers, block_size, mask_token_id, target_layer_ids, **kw)
     return _check(DSparkConfig.from_dict({**c.to_dict(), 'architectures': ['Qwen3DSparkModel'], 'markov_rank': markov_rank,
                                           'enable_confidence_head': bool(confidence)}))
@@ -99,7 +101,8 @@ STS_BOUND = 3.0                             # `sts_fit`'s grid spans e^-3..e^3: 
 def _sts_checked(T, n=None, where='sts_temperatures'):
     """`T` as floats, refused (naming `where`) unless a non-empty list of finite positive numbers (not bools), and exactly `n` of them
     when `n` is given (a DSpark drafter's `draft_len`: one per drafted slot)."""
-    if not isinstance(T, (list, tuple)) or not T: raise ValueError(f'{where}: temperatures must be a non-empty list of positive numbers, got {T!r}')
+    if not isinstance(T, (list, tuple)) or not T:
+        raise ValueError(f'{where}: temperatures must be a non-empty list of positive numbers, got {T!r}')
     bad = [t for t in T if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 < t < math.inf]
     if bad: raise ValueError(f'{where}: temperatures must be finite positive numbers; {bad!r} in {list(T)!r} is not')
     if n is not None and len(T) != n:
@@ -152,12 +155,14 @@ class DSparkDraftModel(DFlashDraftModel):
     @classmethod
     def from_pretrained(cls, path, *args, **kw):
         """`PreTrainedModel.from_pretrained`, with the confidence's per-position temperatures of `STS_FILE` beside the weights, checked
-        (`draft_len` of them, finite, positive); without the file, a drafter with a confidence head says its confidences are uncalibrated."""
+        (`draft_len` of them, finite, positive); without the file, a drafter with a confidence head says its confidences are
+        uncalibrated."""
         out = super().from_pretrained(path, *args, **kw)
         m = out[0] if isinstance(out, tuple) else out
         if (f := Path(path) / STS_FILE).is_file(): m.sts_temperatures = read_sts(f, m.draft_len)
         elif m.confidence_head is not None:
-            warnings.warn(f'{path}: no {STS_FILE}: the confidence head\'s probabilities are uncalibrated (temperature 1 at every slot)', stacklevel=2)
+            warnings.warn(f'{path}: no {STS_FILE}: the confidence head\'s probabilities are uncalibrated (temperature 1 at every slot)',
+                          stacklevel=2)
         return out
 
     def _sts(self):
@@ -179,7 +184,8 @@ def dspark_labels(input_ids, loss_mask, anchors, valid, block_size):
     lab = block_labels(input_ids, loss_mask, anchors, valid, block_size + 1)       # tokens a+1 .. a+B, each on its own
     return lab.masked_fill((lab == -100).int().cummax(-1).values.bool(), -100)
 
-DSparkDraftModel.block_labels = lambda self, input_ids, loss_mask, anchors, valid: dspark_labels(input_ids, loss_mask, anchors, valid, self.block_size)
+DSparkDraftModel.block_labels = lambda self, input_ids, loss_mask, anchors, valid: dspark_labels(input_ids, loss_mask, anchors, valid,
+    self.block_size)
 
 # %% ../nbs/dspark.ipynb #3bb1da06
 PAPER = {'ce': 0.1, 'l1': 0.9}          # the paper's terms; the confidence term's weight is `confidence_alpha` (PAPER_CONFIDENCE)
@@ -194,7 +200,8 @@ def _terms(terms, final_hidden):
     return weights
 
 def _confidence_term(self, hk, e, t, names, hit, w):
-    "`(sum of w * BCE, confidence probabilities)` of the labelled rows: target 1 - TV when the target's distribution is known, else the hit."
+    ("`(sum of w * BCE, confidence probabilities)` of the labelled rows: target 1 - TV when the target's "
+     "distribution is known, else the hit.")
     c = self.confidence_head(hk, e)
     target = (1 - t[:, names.index('tv')]).clamp(0, 1).detach() if 'tv' in names else hit.float()
     return (w * F.binary_cross_entropy_with_logits(c, target, reduction='none')).sum(), torch.sigmoid(c.detach())
@@ -207,7 +214,8 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
     distribution terms, the confidence target); `terms` (None: 0.1 CE + 0.9 L1); `confidence_alpha`: the BCE term's weight; the slots'
     weights: 'decay' (`gamma`, None: `PAPER_GAMMA`) or 'dpace' (`dpace_alpha`); `teacher_transform`: the target's `(mult, cap)` (None: the
     drafter's). `selector_alpha` (DFlash2's) is ignored."""
-    if loss not in ('decay', 'dpace'): raise ValueError(f"loss={loss!r}: a DSpark drafter weighs its slots by 'decay' or 'dpace' (tree@N and treegrad@N: DFlash and DFlash2)")
+    if loss not in ('decay', 'dpace'): raise ValueError(f"loss={loss!r}: a DSpark drafter weighs its slots by 'decay' or 'dpace' (tree@N "
+                                                        "and treegrad@N: DFlash and DFlash2)")
     weights = _terms(terms, final_hidden)
     h, labels, anchors, anchor_valid = _block_states(self, hidden_states, input_ids, loss_mask, anchors, anchor_valid, num_anchors,
                                                     generator, attn_impl, attn_chunk)
@@ -220,8 +228,8 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
         names = term_names(weights, teacher)
         (mult, cap), (W, b, y, ids) = self.logit_transform, _scored_head(self, lk, vocab)
         W2 = self.markov_head.markov_w2.weight if ids is None else self.markov_head.markov_w2.weight[ids]
-        total, w, norm, t, hit, _ = rows_loss(hk, W, b, y, labels, names, weights, loss, PAPER_GAMMA if gamma is None else gamma, dpace_alpha,
-                                              teacher, chunk, mult, cap, (e, W2), teacher_transform=teacher_transform)
+        total, w, norm, t, hit, _ = rows_loss(hk, W, b, y, labels, names, weights, loss, PAPER_GAMMA if gamma is None else gamma,
+                                              dpace_alpha, teacher, chunk, mult, cap, (e, W2), teacher_transform=teacher_transform)
         hits[keep], mean = hit, lambda x: x.detach() / norm
         extra['terms'] = {n: mean((w * t[:, i]).sum()) for i, n in enumerate(names) if n in weights}
         if teacher is not None: extra['accept_prob'] = slot(1 - t[:, names.index('tv')].detach())
@@ -251,7 +259,8 @@ def _walk(self, h, anchor, pick):
         toks.append(pick(rows[-1])); prev = toks[-1]
     toks = torch.stack(toks, 1)
     before = torch.cat([anchor[:, None], toks[:, :-1]], 1)
-    self.last_confidence = None if self.confidence_head is None else self.confidence(self.confidence_head(h, self.markov_head.markov_w1(before)))
+    self.last_confidence = (None if self.confidence_head is None
+                            else self.confidence(self.confidence_head(h, self.markov_head.markov_w1(before))))
     return toks, torch.stack(rows, 1)
 
 def _anchor(self, last_token): return torch.as_tensor(last_token, device=self.fc.weight.device).reshape(-1)
@@ -291,7 +300,8 @@ def _propose_sampled(self, context_hidden, last_token, start_pos=None, cache=Non
 def _tree_children(self, context_hidden, last_token, start_pos=None, cache=None, budget=16, warp=None):
     """The children of any node of a draft tree, for `grow_tree`: `(expand, B)`, `expand(path)` giving the tokens that may follow the
     drafted `path` and their log-probabilities, best first: slot len(path)'s logits after the path's last token (the anchor's for the
-    root), the top min(`budget`, V) of their log-softmax (over the depth's `tree_scale`), or at T > 0 of `warp`'s probabilities, those above 0. One block (b = 1)."""
+    root), the top min(`budget`, V) of their log-softmax (over the depth's `tree_scale`), or at T > 0 of `warp`'s probabilities, those above
+    0. One block (b = 1)."""
     a = _anchor(self, last_token)
     h = self.draft_states(context_hidden, a, start_pos, cache)
     if h.shape[0] != 1: raise ValueError(f'a draft tree grows from one block: got a batch of {h.shape[0]}')
@@ -313,8 +323,8 @@ DSparkDraftModel.propose_sampled, DSparkDraftModel.tree_children = _propose_samp
 @torch.no_grad()
 def _tree_expander(self, h, roots, k):
     """The children of the nodes of many blocks' trees, for `grow_trees`: from the blocks' slot states `h` [N, B, H] and their `roots` [N]
-    (each anchor's token), `expand_many([(block, path), ...])` giving each node's top min(`k`, V) of the log-softmax of U_len(path) + W2 W1[the
-    path's last token] (the root's for the root), best first, as `tree_children` gives them."""
+    (each anchor's token), `expand_many([(block, path), ...])` giving each node's top min(`k`, V) of the log-softmax of U_len(path) + W2
+    W1[the path's last token] (the root's for the root), best first, as `tree_children` gives them."""
     U, roots = self.logits(h).float(), torch.as_tensor(roots, device=h.device).reshape(-1)
     T = self.tree_scale(U.shape[1], U.device)
     def expand(asks):
@@ -343,7 +353,8 @@ def sts_fit(logits, hits, labelled, grid=None, min_blocks=32):
     ok, T = _reached(hits, labelled), []
     for k in range(logits.shape[1]):
         z, y = logits[ok[:, k], k].double(), hits[ok[:, k], k].double()
-        T.append(float(grid[torch.stack([F.binary_cross_entropy_with_logits(z / t, y) for t in grid]).argmin()]) if len(z) >= min_blocks else 1.0)
+        T.append(float(grid[torch.stack([F.binary_cross_entropy_with_logits(z / t, y) for t in grid]).argmin()]) if len(z) >= min_blocks
+                 else 1.0)
     return T
 
 def survival_ece(probs, hits, labelled, bins=10):

@@ -38,7 +38,8 @@ def _causal_flag(c):
     rule = bool(c.is_causal) if c.is_causal is not None else (True if types and all(t == SLIDING for t in types) else None)
     if c.is_causal is None and 'causal' in dc and dc['causal'] != bool(rule):
         warnings.warn(f"dflash_config.causal={dc['causal']} without a top-level is_causal: the released class, and this one, read "
-                      f"is_causal only, and make {'sliding layers' if rule else 'no layer'} causal inside the block; set is_causal to say otherwise")
+                      f"is_causal only, and make {'sliding layers' if rule else 'no layer'} causal inside the block; "
+                      "set is_causal to say otherwise")
     if rule is None: dc.pop('causal', None)
     else: dc['causal'] = rule
 
@@ -98,7 +99,8 @@ _TARGET_ONLY_ROPE = ('partial_rotary_factor', 'mrope_section', 'mrope_interleave
 
 def _rope(tc):
     rp = dict(getattr(tc, 'rope_parameters', None) or {})
-    if isinstance(rp.get(FULL), dict): rp = dict(rp[FULL])      # one table per layer type (Gemma 3): a drafter has one RoPE, the global layers'
+    if isinstance(rp.get(FULL), dict):
+        rp = dict(rp[FULL])      # one table per layer type (Gemma 3): a drafter has one RoPE, the global layers'
     rp.setdefault('rope_theta', getattr(tc, 'rope_theta', 10000.0)); rp.setdefault('rope_type', 'default')
     return {k: v for k, v in rp.items() if k not in _TARGET_ONLY_ROPE}
 
@@ -210,9 +212,11 @@ class DFlashDraftModel(PreTrainedModel):
     block_size = property(lambda self: self.config.block_size)
     mask_token_id = property(lambda self: self.config.mask_token_id)
     target_layer_ids = property(lambda self: self.config.target_layer_ids)
-    draft_len = property(lambda self: self.block_size - 1, doc='Tokens drafted per block: slots 1..B-1 (slot 0 holds the last committed token).')
+    draft_len = property(lambda self: self.block_size - 1, doc='Tokens drafted per block: slots 1..B-1 (slot 0 '
+                                                               'holds the last committed token).')
     def draft_hits(self, h, labels, hit):
-        "Whether each labelled row drafts its label: `hit`, the loss's argmax over the target's head (a served form with a head of its own reads that, `draft_vocab.ipynb`)."
+        ("Whether each labelled row drafts its label: `hit`, the loss's argmax over the target's head (a served form with a head of its "
+         "own reads that, `draft_vocab.ipynb`).")
         return hit
     def block_labels(self, input_ids, loss_mask, anchors, valid):
         "The labels [b, A, draft_len] of the drafted slots of the blocks at `anchors` (`dflash.loss.block_labels`: slot k, token a+k)."
@@ -220,7 +224,8 @@ class DFlashDraftModel(PreTrainedModel):
 
     @property
     def logit_transform(self):
-        "`(output_multiplier, final_logit_softcapping)`: 1 and None unless the config sets them (in `dflash_config`, else at its top level)."
+        ("`(output_multiplier, final_logit_softcapping)`: 1 and None unless the config sets them (in "
+         "`dflash_config`, else at its top level).")
         cap = _value(self.config, 'final_logit_softcapping')
         return float(_value(self.config, 'output_multiplier', 1.0)), float(cap) if cap and float(cap) > 0 else None
 
@@ -250,7 +255,8 @@ class DFlashDraftModel(PreTrainedModel):
         return _softcap(F.linear(h.to(head.weight.dtype), head.weight.detach(), None if b is None else b.detach()), *self.logit_transform)
 
     def context(self, hidden_states):
-        "Tapped target states [b, S, n*H] -> context features [b, S, H]: `fc` (of the taps times `feature_scale`, if set), then `hidden_norm`."
+        ("Tapped target states [b, S, n*H] -> context features [b, S, H]: `fc` (of the taps times `feature_scale`, "
+         "if set), then `hidden_norm`.")
         x = hidden_states.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(x if self.feature_scale is None else x * self.feature_scale))
 
@@ -294,10 +300,11 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
              generator=None, gamma=None, attn_impl=None, chunk=4096, return_logits=False, attn_chunk=64, vocab=None,
              loss='decay', dpace_alpha=0.5, selector_alpha=1.0, final_hidden=None, terms=None, teacher_transform=None):
     """Training forward: every block of every sequence at once; returns a `DFlashOutput`. `vocab`: score only these head rows (and
-    the labels'). `loss`: the slots' weights, 'decay' (`gamma`), 'dpace', 'tree@N' or 'treegrad@N' (`dpace_alpha`); `terms`: what each slot is scored by
-    (`parse_terms`; None: CE), with the target's `final_hidden` states for a distribution term (its logits through the head and
+    the labels'). `loss`: the slots' weights, 'decay' (`gamma`), 'dpace', 'tree@N' or 'treegrad@N' (`dpace_alpha`); `terms`: what each slot
+    is scored by (`parse_terms`; None: CE), with the target's `final_hidden` states for a distribution term (its logits through the head and
     `teacher_transform`, the target's `(mult, cap)`; None: the drafter's `logit_transform`); `selector_alpha`: DFlash2's selector term."""
-    tree_loss_budget(loss)                                              # 'decay', 'dpace', 'tree@N' or 'treegrad@N', else refused with the choices
+    tree_loss_budget(loss)                                              # 'decay', 'dpace', 'tree@N' or 'treegrad@N',
+                                                                        # else refused with the choices
     h, labels, anchors, anchor_valid = _block_states(self, hidden_states, input_ids, loss_mask, anchors, anchor_valid, num_anchors,
                                                      generator, attn_impl, attn_chunk)
     keep = labels != -100
@@ -324,7 +331,8 @@ DFlashDraftModel.forward = _forward
 
 # %% ../nbs/model.ipynb #03a6dfd7
 def feature_scale_of(hidden_states, mask=None):
-    "`(sum of squares [F], count)` of each feature over the real tokens of `hidden_states` [b, S, F] (`mask` [b, S]); sums add over batches and ranks."
+    ("`(sum of squares [F], count)` of each feature over the real tokens of `hidden_states` [b, S, F] (`mask` [b, S]); sums "
+     "add over batches and ranks.")
     x = hidden_states.float().flatten(0, -2)
     if mask is not None: x = x[mask.flatten().bool()]
     return x.pow(2).sum(0), x.new_tensor(float(len(x)))
@@ -407,7 +415,8 @@ def _propose(self, context_hidden, last_token, start_pos=None, cache=None, tempe
 def _tree_scale(self, n, device=None):
     """[n] divisors of the scores a tree ranks at depths 1..n: the drafter's `tree_temperatures` (fitted for its trees by `treecal.ipynb`,
     read beside the weights), else ones. Chains never read them, nor a tree at T > 0 (it grows from the sampler's warp)."""
-    if problem := getattr(self, 'tree_temperatures_problem', None): raise ValueError(problem)   # a broken file beside the weights (load_drafter)
+    if problem := getattr(self, 'tree_temperatures_problem', None):
+        raise ValueError(problem)   # a broken file beside the weights (load_drafter)
     T = getattr(self, 'tree_temperatures', None)
     if T is None: return torch.ones(n, device=device)
     T = torch.as_tensor(T, dtype=torch.float32, device=device)

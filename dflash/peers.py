@@ -20,7 +20,8 @@ from .model import drafter_config, DFlashDraftModel
 # %% ../nbs/peers.ipynb #21658f1d
 def tap_columns(layer_ids, want, hidden):
     "Column indices of the taps `want` in rows of `layer_ids` taps of width `hidden` each; refused naming a tap it lacks."
-    if missing := [i for i in want if i not in layer_ids]: raise ValueError(f'taps {missing} are not in the extraction (it holds {list(layer_ids)})')
+    if missing := [i for i in want if i not in layer_ids]:
+        raise ValueError(f'taps {missing} are not in the extraction (it holds {list(layer_ids)})')
     return torch.cat([torch.arange(hidden) + layer_ids.index(i) * hidden for i in want])
 
 def _small_file(xds, name):
@@ -72,11 +73,13 @@ def to_specforge(xds, out, dtype=None):
 def read_specforge(f):
     "One SpecForge sample as ours: {hidden_states, input_ids, loss_mask (bool), sample_id}."
     d = torch.load(f, weights_only=True)
-    return dict(hidden_states=d['hidden_states'], input_ids=d['input_ids'], loss_mask=d['loss_mask'].bool(), sample_id=int(Path(f).stem.split('_')[1]))
+    return dict(hidden_states=d['hidden_states'], input_ids=d['input_ids'], loss_mask=d['loss_mask'].bool(),
+                sample_id=int(Path(f).stem.split('_')[1]))
 
 # %% ../nbs/peers.ipynb #fdcb39c5
 def to_speculators(xds, out, taps, last):
-    "speculators' per-row hidden states and rows from `xds` into `out`: the taps `taps`, then `last` (the last decoder layer); returns the row count."
+    ("speculators' per-row hidden states and rows from `xds` into `out`: the taps `taps`, then `last` (the last decoder "
+     "layer); returns the row count.")
     out = Path(out); (out / 'hidden_states').mkdir(parents=True, exist_ok=True)
     cols, H = tap_columns(xds.layer_ids, [*taps, last], xds.hidden_size), xds.hidden_size
     rows = []
@@ -84,7 +87,8 @@ def to_speculators(xds, out, taps, last):
         s = xds[i]
         hs = s['hidden_states'][:, cols].reshape(len(s['input_ids']), len(taps) + 1, H).contiguous()
         save_file(dict(hidden_states=hs, token_ids=s['input_ids'].long()), out / 'hidden_states' / f'hs_{i}.safetensors')
-        rows.append(dict(input_ids=s['input_ids'].tolist(), loss_mask=s['loss_mask'].long().tolist(), seq_len=len(s['input_ids']), sample_id=s['sample_id']))
+        rows.append(dict(input_ids=s['input_ids'].tolist(), loss_mask=s['loss_mask'].long().tolist(), seq_len=len(s['input_ids']),
+                         sample_id=s['sample_id']))
     (out / 'rows.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
     (out / 'layers.json').write_text(json.dumps(dict(taps=list(taps), last=last, aux_hidden_state_layer_ids=[t + 1 for t in taps])))
     return len(rows)
@@ -93,7 +97,8 @@ def read_speculators(out, i):
     "Row `i` of `to_speculators`' output as ours (the taps only, in our layout), and the last layer's states: (sample, last [S, H])."
     out, row = Path(out), json.loads((Path(out) / 'rows.jsonl').read_text().splitlines()[i])
     d = load_file(out / 'hidden_states' / f'hs_{i}.safetensors')
-    if not torch.equal(d['token_ids'], torch.tensor(row['input_ids'])): raise ValueError(f'{out}/hidden_states/hs_{i}.safetensors: token_ids differ from row {i}')
+    if not torch.equal(d['token_ids'], torch.tensor(row['input_ids'])):
+        raise ValueError(f'{out}/hidden_states/hs_{i}.safetensors: token_ids differ from row {i}')
     hs = d['hidden_states']
     return dict(hidden_states=hs[:, :-1].flatten(1), input_ids=d['token_ids'], loss_mask=torch.tensor(row['loss_mask']).bool(),
                 sample_id=row['sample_id']), hs[:, -1]
@@ -104,7 +109,8 @@ def capture(model, input_ids, layers):
     "The outputs of decoder `layers` of the HF `model` on `input_ids` [S] alone: a list of [S, H] float32 tensors, by forward hooks."
     got, hooks = {}, []
     decoder = model.get_decoder().layers
-    for i in layers: hooks.append(decoder[i].register_forward_hook(lambda m, a, o, i=i: got.__setitem__(i, (o[0] if isinstance(o, tuple) else o)[0].float())))
+    for i in layers: hooks.append(decoder[i].register_forward_hook(lambda m, a, o, i=i: got.__setitem__(i, (o[0] if isinstance(o, tuple)
+        else o)[0].float())))
     try: model(input_ids[None].to(model.device))
     finally:
         for h in hooks: h.remove()
@@ -124,12 +130,14 @@ def peer_shape(c):
         t, taps = c['transformer_layer_config'], [a - 1 for a in c['aux_hidden_state_layer_ids']]
         mask, block = c.get('mask_token_id'), c['block_size']
         causal = False if c.get('sliding_window_non_causal') else None      # None: our rule, its own (sliding layers causal in the block)
-    else: t, taps, mask, block, causal = c, dc['target_layer_ids'], dc.get('mask_token_id', c.get('mask_token_id')), c.get('block_size', dc.get('block_size')), None
+    else:
+        t, taps, mask, block, causal = (c, dc['target_layer_ids'], dc.get('mask_token_id', c.get('mask_token_id')),
+                                        c.get('block_size', dc.get('block_size')), None)
     types = t.get('layer_types') or ['full_attention'] * t['num_hidden_layers']
     sliding = 'sliding_attention' in types
     return dict(num_hidden_layers=t['num_hidden_layers'], block_size=block, mask_token_id=mask, target_layer_ids=taps, layer_types=types,
-                sliding_window=t.get('sliding_window') if sliding else None, intermediate_size=t['intermediate_size'], head_dim=t.get('head_dim'),
-                num_attention_heads=t['num_attention_heads'], num_key_value_heads=t['num_key_value_heads'],
+                sliding_window=t.get('sliding_window') if sliding else None, intermediate_size=t['intermediate_size'],
+                head_dim=t.get('head_dim'), num_attention_heads=t['num_attention_heads'], num_key_value_heads=t['num_key_value_heads'],
                 is_causal=causal)
 
 # %% ../nbs/peers.ipynb #7500798b
@@ -156,10 +164,12 @@ def import_drafter(src, out, target, mask_token_id=None):
     c, tc = json.loads((src / 'config.json').read_text()), load_target_config(target)
     try: shape = peer_shape(c)
     except KeyError as e:
-        raise ValueError(f'{src / "config.json"} has no {e.args[0]!r}: not a DFlash drafter\'s config (its taps: dflash_config.target_layer_ids, '
-                         'or speculators\' aux_hidden_state_layer_ids; its layers: num_hidden_layers ...)') from None
+        raise ValueError(f'{src / "config.json"} has no {e.args[0]!r}: not a DFlash drafter\'s config (its taps: '
+                         'dflash_config.target_layer_ids, or speculators\' aux_hidden_state_layer_ids; its layers: '
+                         'num_hidden_layers ...)') from None
     if shape['mask_token_id'] is None: shape['mask_token_id'] = mask_token_id
-    if shape['mask_token_id'] is None: raise ValueError(f'{src / "config.json"} names no mask token: pass mask_token_id (the one it trained with)')
+    if shape['mask_token_id'] is None:
+        raise ValueError(f'{src / "config.json"} names no mask token: pass mask_token_id (the one it trained with)')
     if not shape['head_dim']: shape.pop('head_dim')
     cfg = drafter_config(tc, **shape, target_model=target_name(target), target_config_sha256=config_sha256(tc),
                          target_weights_sha256=weights_sha256(target))

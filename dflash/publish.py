@@ -24,8 +24,9 @@ def check_drafter(dconfig, target_config, target=''):
         problems.append(f"it was trained for {dconfig.target_model or 'another target'}, whose config differs")
     if problems: raise ValueError(f'the drafter does not fit the target {target}: ' + '; '.join(problems))
     if target and other_weights(w := getattr(dconfig, 'target_weights_sha256', None), target):
-        print(f"warning: the drafter was trained for the weights of {dconfig.target_model or 'another target'} (sha256 {w[:12]}), and the target "
-              f'{target} has other weights (the same config: fine-tuned or replaced): it accepts less than was measured; train it for these',
+        print(f"warning: the drafter was trained for the weights of {dconfig.target_model or 'another target'} (sha256 {w[:12]}), and the "
+              f'target {target} has other weights (the same config: fine-tuned or replaced): it accepts less than was '
+              'measured; train it for these',
               file=sys.stderr, flush=True)
     return dconfig
 
@@ -52,7 +53,8 @@ def mask_token_choice(target, given=None, data_ids=None):
     if data_ids is None: data_ids = ()
     if free := unused_special_tokens(tok, data_ids):
         return free[-1], (f'no mask token and no spare embedding row ({rows} rows): the declared special token '
-                          f'{tok.convert_ids_to_tokens(free[-1])!r}, unused by the chat template' + (' and the training data' if len(data_ids) else ''))
+                          f'{tok.convert_ids_to_tokens(free[-1])!r}, unused by the chat template'
+                          + (' and the training data' if len(data_ids) else ''))
     named = ', '.join(f'{i} {t.content!r}' for i, t in sorted(tok.added_tokens_decoder.items()) if t.special)
     raise ValueError(f'{target}: the tokenizer has no mask token, the embedding no spare row ({len(tok)} tokens, {rows} rows), and each '
                      f'declared special token ({named}) is used by the template, the data or as bos/eos/pad/unk: pass mask_token_id')
@@ -70,7 +72,8 @@ def save_drafter(model, path, dtype=None):
     sd = model.served_state_dict()
     if dtype is not None: sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}   # maps (d2t, t2d) keep theirs
     model.save_pretrained(path, state_dict=sd)
-    if moved := stale_tree_temperatures(path): print(f'{path}: the tree temperatures fitted to the weights it held before are now in {moved.name}', flush=True)
+    if moved := stale_tree_temperatures(path):
+        print(f'{path}: the tree temperatures fitted to the weights it held before are now in {moved.name}', flush=True)
     if dtype is not None:
         c = json.loads((Path(path) / 'config.json').read_text()); c['dtype'] = str(dtype).removeprefix('torch.')
         (Path(path) / 'config.json').write_text(json.dumps(c, indent=2, sort_keys=True))
@@ -105,14 +108,16 @@ def _calibration(path, n):
     """The card's words on a DSpark confidence head's calibration: the per-slot temperatures in `STS_FILE` beside the drafter (`n` of
     them, checked), those at the edge of `sts_fit`'s grid (the fit hit its bound there), or none (uncalibrated)."""
     f = Path(path) / STS_FILE
-    if not f.is_file(): return f", and a confidence head predicts each slot's acceptance, uncalibrated (no `{STS_FILE}`: temperature 1 at every slot). "
+    if not f.is_file():
+        return f", and a confidence head predicts each slot's acceptance, uncalibrated (no `{STS_FILE}`: temperature 1 at every slot). "
     T = read_sts(f, n)
     said = (f", and a confidence head predicts each slot's acceptance, calibrated by one temperature per slot fitted on held-out blocks "
             f"(`{STS_FILE}`, slots 0..{n - 1}: {', '.join(f'{t:.3g}' for t in T)}). ")
     if edge := sts_at_bound(T):
         many = len(edge) > 1
-        said += (f"The temperature of slot{'s' * many} {', '.join(map(str, edge))} is at the edge of the fit's grid (e^-{STS_BOUND:g}..e^{STS_BOUND:g}): "
-                 f"the fit hit its bound, and the calibration of {'those slots' if many else 'that slot'} is unreliable. ")
+        said += (f"The temperature of slot{'s' * many} {', '.join(map(str, edge))} is at the edge of the fit's grid "
+                 f"(e^-{STS_BOUND:g}..e^{STS_BOUND:g}): the fit hit its bound, and the calibration of "
+                 f"{'those slots' if many else 'that slot'} is unreliable. ")
     return said
 
 def model_card(path, training='', tau=None, measured='', temperature=None, tau_sampled=None):
@@ -126,8 +131,8 @@ def model_card(path, training='', tau=None, measured='', temperature=None, tau_s
     kind = ("As DFlash2, each layer wraps its attention and its MLP in grouped dynamic causal convolutions over the block "
             f"({dc.get('conv_kernel_size')} taps, groups of {dc.get('conv_group_size')} channels), and a candidate selector re-ranks each "
             f"slot's top {dc.get('selector_top_k')} along the block (codebooks of rank {dc.get('selector_rank')}). ") if two else ''
-    if spark: kind = ("As DSpark (DeepSeek, arXiv 2607.05147), every slot of the block [anchor, mask x (B-1)] drafts; a Markov head of rank "
-                      f"{c.get('markov_rank')} adds to each slot's logits a bias from the token before it (the one just drafted)"
+    if spark: kind = ("As DSpark (DeepSeek, arXiv 2607.05147), every slot of the block [anchor, mask x (B-1)] drafts; a Markov head of "
+                      f"rank {c.get('markov_rank')} adds to each slot's logits a bias from the token before it (the one just drafted)"
                       + (_calibration(path, n_draft) if c.get('enable_confidence_head') else ". "))
     hot = tau_sampled is not None and temperature is not None
     names = list(dict.fromkeys([*(tau or {}), *(tau_sampled or {} if hot else {})]))
@@ -156,9 +161,11 @@ A block-diffusion drafter ([DFlash](https://github.com/z-lab/dflash)) that draft
 {measured}
 
 ## Serving
-vLLM: `vllm serve {target} --speculative-config '{{"method": "{'dspark' if spark else 'dflash'}", "model": "PATH", "num_speculative_tokens": {n_draft}}}'`
+vLLM: `vllm serve {target} --speculative-config \
+'{{"method": "{'dspark' if spark else 'dflash'}", "model": "PATH", "num_speculative_tokens": {n_draft}}}'`
 
-SGLang: `python -m sglang.launch_server --model {target} --speculative-algorithm {'DSPARK' if spark else 'DFLASH'} --speculative-draft-model-path PATH`
+SGLang: `python -m sglang.launch_server --model {target} --speculative-algorithm {'DSPARK' if spark else 'DFLASH'} \
+--speculative-draft-model-path PATH`
 {'''
 DFlash2 is chosen by `architectures`, with the same method: vLLM needs a build with vllm-project/vllm#52816; SGLang's
 support is sgl-project/sglang#35371.

@@ -16,29 +16,35 @@ GPU = dict(name='gpu', decode_ms=1.0, verify_ms={t: 1.0 for t in range(1, 66)}, 
 PROFILE_FILE = 'engine-profile.json'
 
 def _costs(d, what, src, least=0.0):
-    "A profile's `{length: ms}` table, its keys as ints, each cost a finite number >= 0 (> 0 where `least` > 0); a ValueError naming `src` and the entry."
+    ("A profile's `{length: ms}` table, its keys as ints, each cost a finite number >= 0 (> 0 where `least` > 0); a ValueError "
+     "naming `src` and the entry.")
     if not isinstance(d, dict) or not d: raise ValueError(f'{src}: {what} must be a table of costs by length, got {d!r}')
     out = {}
     for k, v in d.items():
         try: n = int(k)
         except (TypeError, ValueError): raise ValueError(f'{src}: {what} has the length {k!r}, not a whole number') from None
         if n < 1 or isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf or (least and v < least):
-            raise ValueError(f'{src}: {what}[{k!r}] = {v!r}: a length >= 1 and a cost in ms, a finite number ' + (f'>= {least}' if least else '>= 0'))
+            raise ValueError(f'{src}: {what}[{k!r}] = {v!r}: a length >= 1 and a cost in ms, a finite number '
+                             + (f'>= {least}' if least else '>= 0'))
         out[n] = float(v)
     return out
 
 def check_profile(p, src='profile'):
-    "The profile `p` (a dict) with its tables' keys as ints, checked: decode_ms > 0, verify_ms > 0 (a forward of the target never costs nothing), draft_ms >= 0."
+    ("The profile `p` (a dict) with its tables' keys as ints, checked: decode_ms > 0, verify_ms > 0 (a forward of the target never "
+     "costs nothing), draft_ms >= 0.")
     if not isinstance(p, dict): raise ValueError(f'{src}: not an engine profile (a JSON object), got {type(p).__name__}')
     d = p.get('decode_ms')
-    if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d < math.inf: raise ValueError(f'{src}: decode_ms = {d!r}: a cost in ms > 0')
-    return {**p, 'decode_ms': float(d), 'verify_ms': _costs(p.get('verify_ms'), 'verify_ms', src, least=1e-3), 'draft_ms': _costs(p.get('draft_ms'), 'draft_ms', src)}
+    if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d < math.inf:
+        raise ValueError(f'{src}: decode_ms = {d!r}: a cost in ms > 0')
+    return {**p, 'decode_ms': float(d), 'verify_ms': _costs(p.get('verify_ms'), 'verify_ms', src, least=1e-3),
+            'draft_ms': _costs(p.get('draft_ms'), 'draft_ms', src)}
 
 def check_steady(p, src='profile'):
-    "`p`, if its parts add up; one whose measurement found them contradicting (its `unstable`, from `dflash.engine.profile_problems`) refused."
+    ("`p`, if its parts add up; one whose measurement found them contradicting (its `unstable`, from "
+     "`dflash.engine.profile_problems`) refused.")
     if bad := p.get('unstable'):
-        raise ValueError(f'{src}: its parts contradict each other ({"; ".join(bad)}): nothing is predicted from it. It was measured on a busy '
-                         'machine: measure it again on a quiet one (dflash_engine --profile)')
+        raise ValueError(f'{src}: its parts contradict each other ({"; ".join(bad)}): nothing is predicted from it. It was measured on a '
+                         'busy machine: measure it again on a quiet one (dflash_engine --profile)')
     return p
 
 def read_profile(spec):
@@ -46,7 +52,8 @@ def read_profile(spec):
     if spec == 'gpu': return check_profile(GPU, 'gpu')
     f = Path(spec)
     if f.is_dir(): f = f / PROFILE_FILE
-    if not f.is_file(): raise FileNotFoundError(f"engine profile {spec!r}: 'gpu', or a profile file ({PROFILE_FILE}, which dflash_engine writes); no such file")
+    if not f.is_file(): raise FileNotFoundError(f"engine profile {spec!r}: 'gpu', or a profile file ({PROFILE_FILE}, which "
+                                                "dflash_engine writes); no such file")
     try: p = json.loads(f.read_text())
     except ValueError as e: raise ValueError(f'{f}: not JSON ({e})') from None
     return {**check_steady(check_profile(p, str(f)), str(f)), 'path': str(f)}
@@ -59,12 +66,13 @@ def write_profile(path, decode_ms, verify_ms, draft_ms, **about):
     return Path(path)
 
 def profile_lengths(p, most, src=None):
-    """The drafted lengths 1..`most` (what a drafter drafts a step) the profile `p` has costs for: a verify of n + 1 tokens and a draft of n.
-    None of them: a ValueError naming the costs it lacks (it would predict nothing)."""
+    """The drafted lengths 1..`most` (what a drafter drafts a step) the profile `p` has costs for: a verify of n + 1 tokens and a draft of
+    n. None of them: a ValueError naming the costs it lacks (it would predict nothing)."""
     have = [n for n in range(1, most + 1) if n + 1 in p['verify_ms'] and n in p['draft_ms']]
     if not have:
         v, d = [n + 1 for n in range(1, most + 1) if n + 1 not in p['verify_ms']], [n for n in range(1, most + 1) if n not in p['draft_ms']]
-        raise ValueError(f"engine_profile {src or p.get('path') or p.get('name')}: no costs at a length this drafter drafts (1..{most} a step): it lacks "
+        raise ValueError(f"engine_profile {src or p.get('path') or p.get('name')}: no costs at a length this drafter drafts "
+                         f"(1..{most} a step): it lacks "
                          + '; '.join(s for s in (v and f'verify_ms of {v} tokens', d and f'draft_ms of {d} drafted') if s)
                          + f" (profile them: dflash_engine --profile --profile-lengths {','.join(map(str, range(1, most + 1)))})")
     return have

@@ -39,7 +39,8 @@ _FULL = ('StorageFull', 'InsufficientStorage', 'QuotaExceeded', 'EntityTooLarge'
 
 def _why(e): return f'{type(e).__name__}: {e}'
 
-_NETWORK = ('botocore', 'aiobotocore', 'aiohttp', 'fsspec', 's3fs', 'gcsfs', 'urllib3', 'requests', 'google')   # where the clients' errors live
+# where the clients' errors live
+_NETWORK = ('botocore', 'aiobotocore', 'aiohttp', 'fsspec', 's3fs', 'gcsfs', 'urllib3', 'requests', 'google')
 
 def _kind(e):
     """'full'; 'credentials' (none found); 'permanent' (no retry helps: a missing bucket or object, a refused permission, a bug); or
@@ -77,7 +78,8 @@ class Store:
         self.root = root.rstrip('/')
         protos = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         self.local, self.s3 = 'file' in protos, 's3' in protos or 's3a' in protos
-        self.retries, self.backoff, self.max_backoff, self.chunk_bytes, self.concurrency = retries, backoff, max_backoff, chunk_bytes, concurrency
+        self.retries, self.backoff, self.max_backoff, self.chunk_bytes, self.concurrency = (retries, backoff, max_backoff, chunk_bytes,
+            concurrency)
         self.retried = 0
 
     def __repr__(self): return f'Store({self.url})'
@@ -90,8 +92,8 @@ class Store:
             try: return fn(*args, **kw)
             except Exception as e:
                 kind = _kind(e)
-                if kind == 'full': raise StoreFull(f'{self.url}: the store is full ({what}: {_why(e)}): free room in it (or raise its quota), '
-                                                   'then run the same command') from e
+                if kind == 'full': raise StoreFull(f'{self.url}: the store is full ({what}: {_why(e)}): free room in it (or raise its '
+                                                   'quota), then run the same command') from e
                 if kind == 'credentials': raise StoreCredentials(
                     f'{self.url}: no credentials for the store ({what}: {_why(e)}): give them where the client looks (for S3: '
                     'AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or ~/.aws/credentials)') from None
@@ -135,7 +137,8 @@ def _listing(self):
     except FileNotFoundError: return {}
     return {i['name'].rstrip('/').rsplit('/', 1)[-1]: i for i in got if i.get('type') != 'directory'}
 
-Store.read_bytes, Store.write_bytes, Store.read_json, Store.write_json, Store.remove, Store.listing = _read_bytes, _write_bytes, _read_json, _write_json, _remove, _listing
+Store.read_bytes, Store.write_bytes, Store.read_json, Store.write_json, Store.remove, Store.listing = (_read_bytes, _write_bytes,
+    _read_json, _write_json, _remove, _listing)
 
 # %% ../nbs/store.ipynb #e2f712f6
 def _check(self):
@@ -229,7 +232,8 @@ def manifest_at(p, name='extracted'):
 _NP = dict(F32=np.float32, F16=np.float16, BF16=np.uint16, I64=np.int64, I32=np.int32, U8=np.uint8, F8_E4M3=np.uint8)
 
 def read_tensors(store, name, names, head=1 << 16):
-    "`(tensors, header)`: the tensors `names` of the safetensors object `name` (numpy), read by ranges: its header, then the span they lie in."
+    ("`(tensors, header)`: the tensors `names` of the safetensors object `name` (numpy), read by ranges: its "
+     "header, then the span they lie in.")
     try:
         b = store.read_bytes(name, 0, head)
         n = int.from_bytes(b[:8], 'little')
@@ -240,7 +244,8 @@ def read_tensors(store, name, names, head=1 << 16):
         out = {k: np.frombuffer(span[h[k]['data_offsets'][0] - lo:h[k]['data_offsets'][1] - lo], _NP[h[k]['dtype']]).reshape(h[k]['shape'])
                for k in names}
     except FileNotFoundError: raise StoreCorrupt(f'{store.url}/{name}: missing from the store') from None
-    except (KeyError, ValueError, TypeError) as e: raise StoreCorrupt(f'{store.url}/{name}: not a readable safetensors index ({_why(e)})') from None
+    except (KeyError, ValueError, TypeError) as e:
+        raise StoreCorrupt(f'{store.url}/{name}: not a readable safetensors index ({_why(e)})') from None
     return out, h
 
 def cached_tensors(store, name, sha256, names, folder=None):
@@ -287,8 +292,8 @@ class ShardCache:
         steps = [sorted({int(j) for j in s}) for s in steps]
         worst = max((sum(self.entries[j]['bytes'] for j in s) for s in steps), default=0)
         if worst > self.max_bytes:
-            raise ValueError(f'the shard cache holds {self.max_bytes / 2**30:.3g} GiB and one step reads {worst / 2**30:.3g} GiB of shards from '
-                             f'{self.store.url}: give the cache more (cache_gb), or extract with smaller shards (shard_mb)')
+            raise ValueError(f'the shard cache holds {self.max_bytes / 2**30:.3g} GiB and one step reads {worst / 2**30:.3g} GiB of shards '
+                             f'from {self.store.url}: give the cache more (cache_gb), or extract with smaller shards (shard_mb)')
         with self.cv:
             self.steps, self.k, self.uses = steps, 0, {}
             for k, s in enumerate(steps):
@@ -320,7 +325,8 @@ def pid_alive(pid):
     return True
 
 def own_folder(parent):
-    "A folder of this process's own in `parent`, named by its pid; those of processes that no longer run are deleted first (a killed run's cache)."
+    ("A folder of this process's own in `parent`, named by its pid; those of processes that no longer run are deleted "
+     "first (a killed run's cache).")
     for p in Path(parent).glob('[0-9]*'):
         if p.name.isdigit() and not pid_alive(p.name): shutil.rmtree(p, ignore_errors=True)
     return Path(parent) / str(os.getpid())
@@ -399,7 +405,8 @@ ShardCache.get, ShardCache._pick, ShardCache._ahead = _get, _pick, _ahead
 
 # %% ../nbs/store.ipynb #b7fb5a9c
 def store_intact(s, info):
-    "Is the listed shard `s` in the store (`info`: its listing entry, or None) whole, with the size and ETag recorded at upload? (A reason when not.)"
+    ("Is the listed shard `s` in the store (`info`: its listing entry, or None) whole, with the size and ETag recorded at "
+     "upload? (A reason when not.)")
     if info is None: return 'missing from the store'
     if info.get('size') != s['bytes']: return f'truncated or replaced in the store ({info.get("size")} of {s["bytes"]} bytes)'
     tag = etag_of(info)

@@ -31,7 +31,8 @@ def check_layer_ids(layer_ids, num_target_layers):
     ids = [int(k) for k in layer_ids]
     if not ids: raise ValueError('layer_ids is empty')
     bad = [k for k in ids if not 0 <= k < num_target_layers]
-    if bad: raise ValueError(f'layer_ids {bad} out of range for a target of {num_target_layers} decoder layers (0..{num_target_layers - 1})')
+    if bad:
+        raise ValueError(f'layer_ids {bad} out of range for a target of {num_target_layers} decoder layers (0..{num_target_layers - 1})')
     return ids
 
 # %% ../nbs/taps.ipynb #7b76db4b
@@ -139,7 +140,8 @@ def check_finite(rows, layer_ids, lengths, sample_ids):
     s = int(np.searchsorted(np.cumsum(lengths), r, side='right'))
     where = f'layer {layer_ids[j]}' if isinstance(layer_ids[j], (int, np.integer)) else f'its {layer_ids[j]} state'
     raise NonFiniteStates(f'the target produced non-finite hidden states at {where} for sample {sample_ids[s]} '
-                          f'(and {int(bad.any(1).sum())} rows in all of samples {list(sample_ids)[:8]}): check the target\'s weights and dtype')
+                          f'(and {int(bad.any(1).sum())} rows in all of samples {list(sample_ids)[:8]}): check the '
+                          'target\'s weights and dtype')
 
 # %% ../nbs/taps.ipynb #cf927923
 import weakref
@@ -150,10 +152,12 @@ def final_norm(model):
     "The module whose output `model`'s head reads (the final norm): found once by a one-token probe that stops before the head runs."
     if model in _FINAL_NORMS: return _FINAL_NORMS[model]
     head = model.get_output_embeddings() if hasattr(model, 'get_output_embeddings') else None
-    if head is None: raise TypeError(f'{type(model).__name__} has no output head (get_output_embeddings() is None): no final state to capture')
+    if head is None:
+        raise TypeError(f'{type(model).__name__} has no output head (get_output_embeddings() is None): no final state to capture')
     name_of = {id(m): n for n, m in model.named_modules()}
     hname = name_of.get(id(head), '')
-    above = {'.'.join(hname.split('.')[:i]) for i in range(len(hname.split('.')))}          # the head's ancestors (their output is the logits)
+    above = {'.'.join(hname.split('.')[:i]) for i in range(len(hname.split('.')))}          # the head's ancestors (their
+                                                                                            # output is the logits)
     inner = {id(m) for layer in decoder_layers(model) for m in layer.modules() if m is not layer}
     outs, seen, handles = [], {}, []
     def keep(name):
@@ -228,14 +232,16 @@ def auto_device(index=0):
     if torch.cuda.is_available(): return torch.device(f'cuda:{index % torch.cuda.device_count()}')
     if gpus := gpus_present():
         why = (f'torch {torch.__version__} is a CPU build: install a CUDA build of it' if torch.version.cuda is None else
-               f'torch {torch.__version__} is built for CUDA {torch.version.cuda} and cannot reach these GPUs (a driver older than that CUDA, or '
-               f'CUDA_VISIBLE_DEVICES={os.environ.get("CUDA_VISIBLE_DEVICES")!r} hiding them)')
-        raise RuntimeError(f'this machine has {len(gpus)} GPU{"s" * (len(gpus) > 1)} ({gpus[0]}) but {why}; DFLASH_DEVICE=cpu runs on the CPU on purpose')
+               f'torch {torch.__version__} is built for CUDA {torch.version.cuda} and cannot reach these GPUs (a driver older than that '
+               f'CUDA, or CUDA_VISIBLE_DEVICES={os.environ.get("CUDA_VISIBLE_DEVICES")!r} hiding them)')
+        raise RuntimeError(f'this machine has {len(gpus)} GPU{"s" * (len(gpus) > 1)} ({gpus[0]}) but {why}; '
+                           'DFLASH_DEVICE=cpu runs on the CPU on purpose')
     return torch.device('cpu')
 
 def launcher_child():
     """Does the launcher run its own target work (the validation split's extraction, the calibration of `targets='auto'`) in a child
-    process (`in_child`)? Where jobs run on a GPU, yes: a launcher holds no GPU memory its ranks need. `DFLASH_LAUNCHER_CHILD` 1 or 0 says so anywhere."""
+    process (`in_child`)? Where jobs run on a GPU, yes: a launcher holds no GPU memory its ranks need. `DFLASH_LAUNCHER_CHILD` 1 or 0 says
+    so anywhere."""
     v = os.environ.get('DFLASH_LAUNCHER_CHILD')
     return v == '1' if v in ('0', '1') else auto_device().type == 'cuda'
 
@@ -250,14 +256,17 @@ def torch_floor():
     return tuple(int(x) for x in req.replace(' ', '').removeprefix('torch>=').split(',')[0].split('.')[:2])
 
 def environment():
-    "What jobs run with here, in one line (set-up prints it): torch's version and build, and the devices. A torch below the floor is refused."
+    ("What jobs run with here, in one line (set-up prints it): torch's version and build, and the devices. A torch "
+     "below the floor is refused.")
     v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2])
-    if v < torch_floor(): raise RuntimeError(f'torch {torch.__version__} is older than {".".join(map(str, torch_floor()))}, the lowest this package runs and is tested with')
+    if v < torch_floor(): raise RuntimeError(f'torch {torch.__version__} is older than {".".join(map(str, torch_floor()))}, the lowest '
+                                             'this package runs and is tested with')
     dev = auto_device()
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if dev.type == 'cuda' else []
     build = f'CUDA {torch.version.cuda}' if torch.version.cuda else 'CPU build'
     return f'torch {torch.__version__} ({build}); jobs run on ' + (f'{len(gpus)} GPU{"s" * (len(gpus) > 1)}: {", ".join(gpus)}' if gpus else
-                                                                   'the CPU' + (' (DFLASH_DEVICE)' if os.environ.get('DFLASH_DEVICE') else ''))
+                                                                   'the CPU' + (' (DFLASH_DEVICE)' if os.environ.get('DFLASH_DEVICE')
+                                                                                else ''))
 
 # %% ../nbs/taps.ipynb #4025a49e
 def _offline():
@@ -318,7 +327,8 @@ def load_target_config(target):
 
 # %% ../nbs/taps.ipynb #0dcbdbe8
 def _weight_index(target):
-    "`({tensor name: file name}, path)`: where each tensor of a target's safetensors is, and `path(file name)`, the local file (fetched or found in the cache)."
+    ("`({tensor name: file name}, path)`: where each tensor of a target's safetensors is, and `path(file name)`, the local file "
+     "(fetched or found in the cache).")
     s = resolve_target(target)
     if Path(s).is_dir(): d, fetch = Path(s), None
     else:
@@ -363,7 +373,8 @@ def tokenizer_sha256(tok):
 
 def config_sha256(config):
     "sha256 of a HF config's content, without the fields that vary between loads (dtype, paths, versions)."
-    d = {k: v for k, v in config.to_dict().items() if k not in ('transformers_version', '_name_or_path', 'torch_dtype', 'dtype', '_commit_hash')}
+    d = {k: v for k, v in config.to_dict().items() if k not in ('transformers_version', '_name_or_path', 'torch_dtype', 'dtype',
+                                                                '_commit_hash')}
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
 
 def _weight_paths(target):
@@ -412,7 +423,8 @@ def weights_sha256(target):
     except Exception: return None                                      # no safetensors to read: nothing to compare
 
 def _sampled_sha256(target, reads=16, size=1 << 16):
-    "The fingerprint dflash recorded before `weights_sha256` saw every byte (each file's header and 16 reads of 64 KiB), for records it made then."
+    ("The fingerprint dflash recorded before `weights_sha256` saw every byte (each file's header and 16 reads of 64 "
+     "KiB), for records it made then.")
     h = hashlib.sha256()
     for name, f in _weight_paths(target).items():
         n = f.stat().st_size
@@ -422,8 +434,8 @@ def _sampled_sha256(target, reads=16, size=1 << 16):
     return h.hexdigest()
 
 def other_weights(recorded, target):
-    """Are `target`'s weights other than those whose `weights_sha256` was `recorded`? False where either is not known; a record made before it
-    saw every byte is compared as it was made (`_sampled_sha256`)."""
+    """Are `target`'s weights other than those whose `weights_sha256` was `recorded`? False where either is not known; a record made before
+    it saw every byte is compared as it was made (`_sampled_sha256`)."""
     if not recorded or (now := weights_sha256(target)) is None or recorded == now: return False
     try: return recorded != _sampled_sha256(target)
     except Exception: return True

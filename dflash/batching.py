@@ -43,7 +43,8 @@ def token_budget_batches(lengths, token_budget, max_batch_size=None, warn=True):
     for i in np.argsort(L, kind='stable').tolist():
         n = int(L[i])
         if n > token_budget:
-            if warn: warnings.warn(f'sample {i} has {n} tokens, more than token_budget={token_budget}: it gets a batch of its own', stacklevel=2)
+            if warn:
+                warnings.warn(f'sample {i} has {n} tokens, more than token_budget={token_budget}: it gets a batch of its own', stacklevel=2)
             if cur: batches.append(cur); cur = []
             batches.append([i]); continue
         if cur and (len(cur) == cap or (len(cur) + 1) * n > token_budget): batches.append(cur); cur = []

@@ -32,7 +32,8 @@ def flex_attend(q, k, v, block_mask, scale, backend=None):
     """flex attention of `q` [b, h, Q, d] over `k`, `v` [b, kvh, K, d] under `block_mask`, in one dtype (autocast's where it is on, as SDPA
     takes them) and with autocast off: the compiled function meets one global state in training and in evaluation."""
     dev = q.device.type
-    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(torch.promote_types(q.dtype, k.dtype),
+        v.dtype)
     with torch.autocast(dev, enabled=False):
         return _flex(backend)(q.to(dt), k.to(dt), v.to(dt), block_mask=block_mask, scale=scale, enable_gqa=True)
 
@@ -89,7 +90,8 @@ def anchor_chunks(anchors, seq_len, block_size, chunk=64, window=None, causal=No
     A*B x (S + A*B)."""
     A, B = anchors.shape[1], block_size
     if flex: scalars = mask_scalars(seq_len, B, window, causal, anchors.device)             # once for all the pieces
-    make = (lambda a: flex_block_mask(a, seq_len, B, window, causal, scalars)) if flex else (lambda a: block_mask(a, seq_len, B, window, causal))
+    make = ((lambda a: flex_block_mask(a, seq_len, B, window, causal, scalars)) if flex
+            else (lambda a: block_mask(a, seq_len, B, window, causal)))
     return [(slice(i * B, min(i + chunk, A) * B), make(anchors[:, i:i + chunk])) for i in range(0, A, chunk)]
 
 def mask_scalars(seq_len, block_size, window=None, causal=None, device=None):
@@ -115,13 +117,15 @@ def flex_block_mask(anchors, seq_len, block_size, window=None, causal=None, scal
     MASK_LEDGER['built'] += 1; MASK_LEDGER['peak_elements'] = max(MASK_LEDGER['peak_elements'], b * Q * K)
     return create_block_mask(mask_mod, b, None, Q, K, device=anchors.device)
 
-MASK_LEDGER = dict(built=0, peak_elements=0, scalars=0)   # the flex masks built in this process, the largest (b x Q x K elements), their scalars' copies
+MASK_LEDGER = dict(built=0, peak_elements=0, scalars=0)   # the flex masks built in this process, the largest
+                                                          # (b x Q x K elements), their scalars' copies
 
 # %% ../nbs/blocks.ipynb #f3099f2d
 MASK_BYTES_PER_ELEMENT = 12
 MASK_BYTES = 1 << 30
 
 def mask_chunk(b, seq_len, block_size, max_bytes=MASK_BYTES):
-    "The most anchors a piece of a flex mask may hold so that building it (b x cB x (S + cB) elements) takes at most `max_bytes`; at least 1."
+    ("The most anchors a piece of a flex mask may hold so that building it (b x cB x (S + cB) elements) takes at "
+     "most `max_bytes`; at least 1.")
     n = max_bytes / MASK_BYTES_PER_ELEMENT / b                          # x (S + x) <= n, with x = cB query slots
     return max(1, int((math.sqrt(seq_len ** 2 + 4 * n) - seq_len) / 2) // block_size)

@@ -40,7 +40,8 @@ def _copy(x):
     return x
 
 def snapshot(cache):
-    "What `restore` needs to put `cache` back as it is now: its length, and a copy of every layer's state but the attention keys and values."
+    ("What `restore` needs to put `cache` back as it is now: its length, and a copy of every layer's state but "
+     "the attention keys and values.")
     return length(cache), [_copy({k: v for k, v in vars(l).items() if not (_crops(l) and k in ('keys', 'values'))})
                                     for l in cache.layers]
 

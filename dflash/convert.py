@@ -20,7 +20,8 @@ def _digest(model, target=None, outtype='f16'):
     "sha256 of what a conversion reads: the model's files, and the target's config and tokenizer for a drafter."
     h = hashlib.sha256(f'llama.cpp {LLAMACPP} {outtype}'.encode())
     files = sorted(p for p in Path(model).iterdir() if p.is_file() and p.suffix in MODEL_FILES and p.name != 'README.md')
-    if target is not None: files += [p for n in ('config.json', 'tokenizer.json', 'tokenizer_config.json') if (p := Path(target) / n).is_file()]
+    if target is not None:
+        files += [p for n in ('config.json', 'tokenizer.json', 'tokenizer_config.json') if (p := Path(target) / n).is_file()]
     for p in files: h.update(f'{p.name} {file_sha256(p)}'.encode())
     return h.hexdigest()
 
@@ -42,7 +43,8 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 def gpt2_split(model):
-    "Does the tokenizer in `model` split text as GPT-2 does (a byte-level BPE with its regex, no prefix space): llama.cpp's 'gpt-2' pre-tokenizer?"
+    ("Does the tokenizer in `model` split text as GPT-2 does (a byte-level BPE with its regex, no prefix space): "
+     "llama.cpp's 'gpt-2' pre-tokenizer?")
     f = Path(model) / 'tokenizer.json'
     pre = json.loads(f.read_text()).get('pre_tokenizer') if f.is_file() else None
     return bool(pre) and pre.get('type') == 'ByteLevel' and pre.get('use_regex', True) and not pre.get('add_prefix_space', False)
@@ -74,8 +76,8 @@ def drafter_outtype(target):
 
 def to_gguf(model, target=None, outtype=None, out=None):
     """`model` (a target, or a drafter for `target`) as a GGUF file llama.cpp serves: converted once, cached by its files' checksum,
-    with the file's own sha256 beside it (`<file>.sha256`), checked each time: a file that does not match it, or has none, is converted again.
-    `outtype` None: f16, or `drafter_outtype` for a drafter."""
+    with the file's own sha256 beside it (`<file>.sha256`), checked each time: a file that does not match it, or has none, is converted
+    again. `outtype` None: f16, or `drafter_outtype` for a drafter."""
     model = Path(model)
     if not (model / 'config.json').is_file(): raise FileNotFoundError(f'{model}: no config.json, not a model directory')
     outtype = outtype or (drafter_outtype(target) if target is not None else 'f16')
@@ -87,12 +89,14 @@ def to_gguf(model, target=None, outtype=None, out=None):
     conv, tmp, stmp = converter(), f.with_name(f'.{f.name}.{os.getpid()}.tmp'), f.with_name(f'.{f.name}.sha256.{os.getpid()}.tmp')
     served = target is not None and json.loads((model / 'config.json').read_text()).get('draft_vocab_size')   # a head of its own
     src = full_form(model, f.with_name(f'.{f.name}.{os.getpid()}.full')) if served else model
-    cmd = [sys.executable, '-c', _DRIVER, str(conv), '1' if gpt2_split(target or model) else '0', str(src), '--outfile', str(tmp), '--outtype', outtype]
+    cmd = [sys.executable, '-c', _DRIVER, str(conv), '1' if gpt2_split(target or model) else '0', str(src), '--outfile', str(tmp),
+           '--outtype', outtype]
     if target is not None: cmd += ['--target-model-dir', str(target)]
     elif _no_mtp(model): cmd += ['--no-mtp']                      # a hybrid without multi-token-prediction layers
     try:
         r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode: raise RuntimeError(f'llama.cpp cannot convert {model}: ' + ' | '.join((r.stderr or r.stdout).strip().splitlines()[-3:]))
+        if r.returncode:
+            raise RuntimeError(f'llama.cpp cannot convert {model}: ' + ' | '.join((r.stderr or r.stdout).strip().splitlines()[-3:]))
         if served: add_gguf_head(tmp, model, outtype)
         stmp.write_text(f'{file_sha256(tmp)}  {f.name}\n'); os.replace(stmp, checksum_file(f))   # the checksum first: a file seen has one
         os.replace(tmp, f)

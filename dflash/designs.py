@@ -22,11 +22,13 @@ class Design:
     name: str                                     # the run's `arch`
     architecture: str                             # the `architectures` entry of its configs and checkpoints
     model: type                                   # its drafter class
-    make_config: Callable                         # (target_config, num_layers, block_size, mask_token_id, layer_ids, **kw) -> a fresh config
+    make_config: Callable                         # (target_config, num_layers, block_size,
+                                                  # mask_token_id, layer_ids, **kw) -> a fresh config
     start: Callable = lambda model: model         # the drafter a run trains, from the one built from the config
     warm_start: bool = True                       # may a run start from one of its checkpoints (`init_from`)?
     default_terms: dict = field(default_factory=lambda: {'ce': 1.0})   # its loss terms when the run names none
-    defaults: Callable = lambda hybrid, demo, num_layers: {}           # settings it takes where the run leaves them open: {name: (value, why)}
+    defaults: Callable = lambda hybrid, demo, num_layers: {}           # settings it takes where the run leaves
+                                                                       # them open: {name: (value, why)}
     decay_gamma: Callable = lambda B: None        # the gamma of its slot decay at block B (None: the loss's own, by block)
     first_slot: int = 1                           # the index its slot decay counts from
     served_vocab: type | None = None              # its class served with a head of its own over a draft vocabulary (None: it has none)
@@ -48,7 +50,8 @@ DESIGNS = {d.name: d for d in (
 
 # %% ../nbs/designs.ipynb #6f89f2d4
 def design_of(config):
-    "The `Design` of a config (a `DFlashConfig`, its dict) or a checkpoint directory, by its `architectures`; DFlash's when it names none of them."
+    ("The `Design` of a config (a `DFlashConfig`, its dict) or a checkpoint directory, by its `architectures`; DFlash's "
+     "when it names none of them.")
     if isinstance(config, DFlashConfig): archs = config.architectures or []
     elif isinstance(config, dict): archs = config.get('architectures') or []
     else: archs = json.loads((Path(config) / 'config.json').read_text()).get('architectures') or []
@@ -60,12 +63,13 @@ def _served_vocab(config):
     return json.loads((Path(config) / 'config.json').read_text()).get('draft_vocab_size')
 
 def drafter_class(config):
-    """The drafter class of a config or a checkpoint directory (`design_of`): its served form's when it has a draft vocabulary (`draft_vocab_size`).
-    A directory's vocabulary maps are checked first (`check_vocab_maps`): every job's load of a drafter comes here."""
+    """The drafter class of a config or a checkpoint directory (`design_of`): its served form's when it has a draft vocabulary
+    (`draft_vocab_size`). A directory's vocabulary maps are checked first (`check_vocab_maps`): every job's load of a drafter comes here."""
     if isinstance(config, (str, Path)): check_vocab_maps(config)
     d = design_of(config)
     if not _served_vocab(config): return d.model
-    if d.served_vocab is None: raise ValueError(f'draft_vocab_size: a {d.architecture} drafter has no served form with a vocabulary of its own (DFlash has)')
+    if d.served_vocab is None:
+        raise ValueError(f'draft_vocab_size: a {d.architecture} drafter has no served form with a vocabulary of its own (DFlash has)')
     return d.served_vocab
 
 def build_drafter(config, arch=None):

@@ -18,9 +18,11 @@ DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, select
 
 def _check(c):
     "Refuse DFlash2 settings that cannot build, naming them."
-    if missing := [n for n in DFLASH2 if _value(c, n) is None]: raise ValueError(f'the config has no {", ".join(missing)}: not a DFlash2 config')
+    if missing := [n for n in DFLASH2 if _value(c, n) is None]:
+        raise ValueError(f'the config has no {", ".join(missing)}: not a DFlash2 config')
     k, g, r, top = (int(_value(c, n)) for n in DFLASH2)
-    if k < 1 or r < 1 or not 1 <= top <= c.vocab_size: raise ValueError(f'conv_kernel_size {k}, selector_rank {r}, selector_top_k {top}: need k >= 1, rank >= 1, 1 <= top_k <= vocab {c.vocab_size}')
+    if k < 1 or r < 1 or not 1 <= top <= c.vocab_size: raise ValueError(f'conv_kernel_size {k}, selector_rank {r}, selector_top_k {top}: '
+                                                                        f'need k >= 1, rank >= 1, 1 <= top_k <= vocab {c.vocab_size}')
     if g < 1 or c.hidden_size % g: raise ValueError(f'conv_group_size {g} does not divide hidden_size {c.hidden_size}')
     return c
 
@@ -175,7 +177,8 @@ def _from_dflash(cls, drafter, **settings):
     model = cls(c).to(device=p.device, dtype=p.dtype)
     missing, unexpected = model.load_state_dict(drafter.state_dict(), strict=False)
     if unexpected or not all('_conv.' in k or k.startswith('candidate_selector.') for k in missing):
-        raise ValueError(f'{type(drafter).__name__} is not a DFlash drafter of this shape: unexpected {unexpected[:3]}, missing {missing[:3]}')
+        raise ValueError(f'{type(drafter).__name__} is not a DFlash drafter of this shape: unexpected '
+                         f'{unexpected[:3]}, missing {missing[:3]}')
     if drafter.feature_scale is not None: model.feature_scale = drafter.feature_scale.clone()
     if '_target_io' in drafter.__dict__: model.attach_target(embed_tokens=drafter._io()[0], lm_head=drafter._io()[1])
     return model.train(drafter.training)
@@ -183,7 +186,8 @@ def _from_dflash(cls, drafter, **settings):
 DFlash2DraftModel.from_dflash = classmethod(_from_dflash)
 
 def as_dflash2(model):
-    "`model` as the DFlash2 drafter a run trains: itself if it is one (a DFlash2 checkpoint), else an exact copy of the DFlash drafter it is."
+    ("`model` as the DFlash2 drafter a run trains: itself if it is one (a DFlash2 checkpoint), else an exact copy "
+     "of the DFlash drafter it is.")
     return model if 'DFlash2DraftModel' in (model.config.architectures or []) else DFlash2DraftModel.from_dflash(model)
 
 # %% ../nbs/dflash2.ipynb #b685f7ee
@@ -198,8 +202,8 @@ def _propose_sampled(self, context_hidden, last_token, start_pos=None, cache=Non
 @torch.no_grad()
 def _tree_children(self, context_hidden, last_token, start_pos=None, cache=None, budget=16, warp=None):
     """The children of any node of a draft tree under the selector, for `grow_tree`: `(expand, slots)`, `expand(path)` giving the next
-    slot's candidates scored after the path's last token (the anchor's for the root), softmax(scores / T) (T: `warp`'s, else the depth's `tree_scale`), best
-    first. All `selector_top_k` candidates are children: `budget` cuts nothing here. One block (b = 1)."""
+    slot's candidates scored after the path's last token (the anchor's for the root), softmax(scores / T) (T: `warp`'s, else the depth's
+    `tree_scale`), best first. All `selector_top_k` candidates are children: `budget` cuts nothing here. One block (b = 1)."""
     last_token = torch.as_tensor(last_token, device=self.fc.weight.device).reshape(-1)
     h = self.draft_states(context_hidden, last_token, start_pos, cache)
     if h.shape[0] != 1: raise ValueError(f'a draft tree grows from one block: got a batch of {h.shape[0]}')
@@ -219,7 +223,8 @@ DFlash2DraftModel.propose_sampled, DFlash2DraftModel.tree_children = _propose_sa
 def _tree_expander(self, h, roots, k=None):
     """The children of the nodes of many blocks' trees under the selector, for `grow_trees`: from the blocks' drafted-slot states `h`
     [N, L, H] and `roots` [N], `expand_many([(block, path), ...])` giving each node's candidates scored after the path's last token (the
-    root's for the root), log-softmax (of scores / the depth's `tree_scale`), best first, as `tree_children` gives them (all `selector_top_k`: `k` cuts nothing)."""
+    root's for the root), log-softmax (of scores / the depth's `tree_scale`), best first, as `tree_children` gives them (all
+    `selector_top_k`: `k` cuts nothing)."""
     unary, cand = self.logits(h).topk(self.candidate_selector.top_k, -1)
     roots, T = torch.as_tensor(roots, device=h.device).reshape(-1), self.tree_scale(h.shape[1], h.device)
     def expand(asks):

@@ -30,8 +30,8 @@ def collate(hs_rows, input_ids, loss_mask, lengths):
 
 # %% ../nbs/feed.ipynb #abf41b14
 class OfflineSource(Feeder):
-    """Micro-batches `start..end-1` of drafter `d` of `plan`, read from an `ExtractedDataset` by a prefetcher thread (with `final_hidden` if it
-    has them): at most `depth` batches, and `max_bytes` of them, on `device` ahead of the trainer."""
+    """Micro-batches `start..end-1` of drafter `d` of `plan`, read from an `ExtractedDataset` by a prefetcher thread (with `final_hidden` if
+    it has them): at most `depth` batches, and `max_bytes` of them, on `device` ahead of the trainer."""
     def __init__(self, xds, plan, d, start, end, device, depth=4, max_bytes=None):
         self.xds, self.plan, self.d, self.start, self.end, self.device = xds, plan, d, start, end, torch.device(device)
         super().__init__(depth, name=f'dflash-prefetch-d{d}', max_bytes=max_bytes)

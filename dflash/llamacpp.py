@@ -36,10 +36,12 @@ def sdist(cache=None):
     return f
 
 def unpack(dest, under='', keep=('',), cache=None):
-    "The members of the source release below `under` (a folder of it, e.g. 'thirdparty/llama.cpp/') whose names start with `keep`, into `dest`."
+    ("The members of the source release below `under` (a folder of it, e.g. 'thirdparty/llama.cpp/') whose names "
+     "start with `keep`, into `dest`.")
     root = f'xllamacpp-{LLAMACPP}/{under}'
     with tarfile.open(sdist(cache)) as t:
-        ms = [m for m in t.getmembers() if m.name.startswith(root) and m.name[len(root):].startswith(tuple(keep)) and m.name != root.rstrip('/')]
+        ms = [m for m in t.getmembers() if m.name.startswith(root) and m.name[len(root):].startswith(tuple(keep))
+              and m.name != root.rstrip('/')]
         for m in ms: m.name = m.name[len(root):]
         t.extractall(dest, members=ms, filter='data')
     return Path(dest)
@@ -70,7 +72,8 @@ def apply_patches(llama, check=False):
     "Apply every patch to the llama.cpp tree `llama` (`check`: only whether each applies); a ValueError naming the first that does not."
     for p in patches():
         r = subprocess.run(['git', 'apply', *(['--check'] if check else []), str(p)], cwd=llama, capture_output=True, text=True,
-                           env={**os.environ, 'GIT_CEILING_DIRECTORIES': str(Path(llama).resolve().parent)})   # a tree, never a repository above it
+                           # a tree, never a repository above it
+                           env={**os.environ, 'GIT_CEILING_DIRECTORIES': str(Path(llama).resolve().parent)})
         if r.returncode: raise ValueError(f'{p.name} does not apply to llama.cpp at xllamacpp {LLAMACPP}: {r.stderr.strip()[:300]}')
     return patches()
 
@@ -91,7 +94,8 @@ def _progress(log, stop, every=60):
         if pct and pct[-1] != last: last = pct[-1]; print(f'llama.cpp build: {last}% after {(time.time() - t0) / 60:.0f} min', flush=True)
 
 def tap_build(cache=None, jobs=None):
-    "xllamacpp at `LLAMACPP` built from its source release with the repository's patches, once, into `tap_dir` (see above); returns the folder."
+    ("xllamacpp at `LLAMACPP` built from its source release with the repository's patches, once, into `tap_dir` (see "
+     "above); returns the folder.")
     d = tap_dir(cache)
     if (d / 'build.json').is_file(): return d
     d.parent.mkdir(parents=True, exist_ok=True)
@@ -99,17 +103,20 @@ def tap_build(cache=None, jobs=None):
     with tempfile.TemporaryDirectory(dir=d.parent) as tmp:
         src = unpack(Path(tmp) / 'src', cache=cache); applied = apply_patches(src / 'thirdparty' / 'llama.cpp')
         env = {**os.environ, 'CMAKE_ARGS': CMAKE_ARGS, 'XLLAMACPP_RELEASE': '1', 'NPROC': str(jobs or os.cpu_count() or 2)}
-        print(f'llama.cpp build: xllamacpp {LLAMACPP} with {", ".join(p.name for p in applied)} (about 12 min on 2 cores; log: {log})', flush=True)
+        print(f'llama.cpp build: xllamacpp {LLAMACPP} with {", ".join(p.name for p in applied)} (about 12 min on 2 cores; log: {log})',
+              flush=True)
         stop = threading.Event(); threading.Thread(target=_progress, args=(log, stop), daemon=True).start()
         try:
             with open(log, 'w') as f:
-                for cmd in (['wheel', '-v', '--no-deps', '-w', f'{tmp}/wheel', str(src)], ['install', '--no-deps', '--target', f'{tmp}/pkg']):
+                for cmd in (['wheel', '-v', '--no-deps', '-w', f'{tmp}/wheel', str(src)],
+                            ['install', '--no-deps', '--target', f'{tmp}/pkg']):
                     if cmd[0] == 'install': cmd.append(str(next(Path(tmp, 'wheel').glob('xllamacpp-*.whl'))))
                     if subprocess.run([sys.executable, '-m', 'pip', *cmd], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tmp).returncode:
                         raise RuntimeError(f'the llama.cpp build failed (pip {cmd[0]}): its log is {log}')
         finally: stop.set()
         size = sum(p.stat().st_size for p in Path(tmp, 'pkg').rglob('*') if p.is_file())
-        write_json_atomic(Path(tmp, 'pkg', 'build.json'), dict(version=LLAMACPP, patches={p.name: file_sha256(p) for p in applied}, cmake_args=CMAKE_ARGS,
+        write_json_atomic(Path(tmp, 'pkg', 'build.json'), dict(version=LLAMACPP, patches={p.name: file_sha256(p) for p in applied},
+                                                               cmake_args=CMAKE_ARGS,
                           release=True, minutes=round((time.time() - t0) / 60, 1), mb=round(size / 1e6, 1), python=sys.version.split()[0]))
         os.replace(Path(tmp, 'pkg'), d)
     print(f'llama.cpp build: done in {(time.time() - t0) / 60:.1f} min, {size / 1e6:.0f} MB in {d}', flush=True)
@@ -121,13 +128,15 @@ TAP_HOW = 'build it once with `make llamacpp-tap` (about 12 min on 2 cores)'
 def tap_built(cache=None): return (tap_dir(cache) / 'build.json').is_file()
 
 def xllamacpp(tapped=False):
-    "The xllamacpp module: the stock wheel's, or (`tapped`) the patched build (`tap_build`), loaded as `xllamacpp_tap`; one of them a process."
+    ("The xllamacpp module: the stock wheel's, or (`tapped`) the patched build (`tap_build`), loaded as "
+     "`xllamacpp_tap`; one of them a process.")
     name, other = ('xllamacpp_tap', 'xllamacpp') if tapped else ('xllamacpp', 'xllamacpp_tap')
     if tapped and not tap_built(): raise FileNotFoundError(f'the patched llama.cpp build is not in {tap_dir()}: {TAP_HOW}')
     if name in sys.modules: return sys.modules[name]
     if other in sys.modules:
-        raise RuntimeError(f'this process already loaded llama.cpp from {sys.modules[other].__file__}; the {"patched" if tapped else "stock"} build '
-                           'cannot load beside it (two copies of llama.cpp in one process abort it): run it in a process of its own')
+        raise RuntimeError(f'this process already loaded llama.cpp from {sys.modules[other].__file__}; the '
+                           f'{"patched" if tapped else "stock"} build cannot load beside it (two copies of llama.cpp in one process abort '
+                           'it): run it in a process of its own')
     if not tapped: return importlib.import_module('xllamacpp')
     d = tap_dir() / 'xllamacpp'
     spec = importlib.util.spec_from_file_location(name, d / '__init__.py', submodule_search_locations=[str(d)])

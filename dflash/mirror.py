@@ -65,7 +65,8 @@ LEASE = '.dflash-lease.json'
 class StoreLease:
     """The extraction's claim on its store prefix while it runs (`with StoreLease(store, staging):`), the object `LEASE` there: taken at
     the start, refused while another extraction's is fresh; `renew()`ed by the mirror; deleted at the end. A lease not renewed for
-    `stale_s`, or one a process of this machine left that no longer runs (or that staged in this folder, which this run holds), is taken over."""
+    `stale_s`, or one a process of this machine left that no longer runs (or that staged in this folder, which this run holds), is taken
+    over."""
     def __init__(self, store, staging, stale_s=180.0, settle_s=1.0):
         self.store, self.stale_s, self.settle_s = store, stale_s, settle_s
         self.me = dict(id=uuid.uuid4().hex, host=socket.gethostname(), pid=os.getpid(), staging=str(Path(staging).resolve()))
@@ -73,14 +74,15 @@ class StoreLease:
     def other(self):
         "The lease another extraction holds on the prefix now (with its `age` in seconds), or None."
         l = self.store.read_json(LEASE)
-        if not isinstance(l, dict) or l.get('id') == self.me['id'] or (age := time.time() - float(l.get('time', 0))) > self.stale_s: return None
+        if not isinstance(l, dict) or l.get('id') == self.me['id'] or (age := time.time() - float(l.get('time', 0))) > self.stale_s:
+            return None
         if l.get('host') == self.me['host'] and (l.get('staging') == self.me['staging'] or not pid_alive(l.get('pid'))): return None
         return dict(l, age=age)
 
     def _refuse(self, o, what='is writing into it'):
-        return RuntimeError(f"{self.store.url}: another extraction {what} (on {o.get('host')}, pid {o.get('pid')}, staging {o.get('staging')}; "
-                            f"its lease renewed {o['age']:.0f} s ago): let it finish, or extract into another URL (a lease not renewed "
-                            f'for {self.stale_s:.0f} s is taken over)')
+        return RuntimeError(f"{self.store.url}: another extraction {what} (on {o.get('host')}, pid {o.get('pid')}, staging "
+                            f"{o.get('staging')}; its lease renewed {o['age']:.0f} s ago): let it finish, or extract into another URL (a "
+                            f'lease not renewed for {self.stale_s:.0f} s is taken over)')
 
     def renew(self):
         "Write the lease anew (now); refused if another extraction's holds the prefix."
@@ -165,7 +167,8 @@ class Mirror:
             try:
                 tag = self.store.upload(self.staging / s['file'], s['file'], s['sha256'])
                 _keep_index(self.staging / s['file'], s['sha256'])           # its index known here: no ranged reads for it later
-                with self.lock: self.stored.append(dict(s, etag=tag)); self.uploaded += 1; self.uploaded_bytes += s['bytes']; self.up.add(s['file'])
+                with self.lock:
+                    self.stored.append(dict(s, etag=tag)); self.uploaded += 1; self.uploaded_bytes += s['bytes']; self.up.add(s['file'])
                 (self.staging / s['file']).unlink()      # in the store, checked: its room is the next shard's (listed at the next flush)
             except BaseException as e: self.error = self.error or e
 
@@ -187,15 +190,16 @@ def _keep_index(path, sha256):
 
 def _mirror_status(self):
     "What the progress line and metrics show: shards waiting to upload, staged bytes, uploaded bytes and MB/s."
-    return dict(upload_queue=len(self.queued - self.up - self.listed), staged_bytes=staged_bytes(self.staging), uploaded_bytes=self.uploaded_bytes,
-                uploaded=self.uploaded, upload_MBps=self.uploaded_bytes / 2**20 / max(time.time() - self.t0, 1e-9), retried=self.store.retried)
+    return dict(upload_queue=len(self.queued - self.up - self.listed), staged_bytes=staged_bytes(self.staging),
+                uploaded_bytes=self.uploaded_bytes, uploaded=self.uploaded,
+                upload_MBps=self.uploaded_bytes / 2**20 / max(time.time() - self.t0, 1e-9), retried=self.store.retried)
 
 def _mirror_check(self):
     "Raise the uploads' error, saying what is kept and how to go on."
     if self.error is None: return self
     e = self.error
-    err = RuntimeError(f'uploading to {self.store.url} stopped: {type(e).__name__}: {e}. The shards not uploaded are kept in {self.staging}; '
-                       'run the same command to resume')
+    err = RuntimeError(f'uploading to {self.store.url} stopped: {type(e).__name__}: {e}. The shards not uploaded are kept in '
+                       f'{self.staging}; run the same command to resume')
     raise err from e
 
 def _mirror_drain(self):

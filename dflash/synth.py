@@ -42,9 +42,11 @@ def t_add(r):
     word = {'+': 'add', '-': 'subtract', '*': 'multiply'}[op]
     q = r.choice([f'What is {a} {op} {b}?', f'Compute {a} {op} {b}.', f'Can you {word} {a} and {b} for me?'])
     if op == '+':
-        steps = f'First the ones: {a % 10} + {b % 10} = {a % 10 + b % 10}. Then the tens and hundreds: {a - a % 10} + {b - b % 10} = {a - a % 10 + b - b % 10}. '
+        steps = (f'First the ones: {a % 10} + {b % 10} = {a % 10 + b % 10}. Then the tens and hundreds: {a - a % 10} + {b - b % 10} = '
+                 f'{a - a % 10 + b - b % 10}. ')
     elif op == '-': steps = f'Start from {a} and take away {b - b % 10} to get {a - b + b % 10}, then take away {b % 10} more. '
-    else: steps = f'Split {b} into {b - b % 10} and {b % 10}: {a} * {b - b % 10} = {a * (b - b % 10)} and {a} * {b % 10} = {a * (b % 10)}. Add them. '
+    else: steps = (f'Split {b} into {b - b % 10} and {b % 10}: {a} * {b - b % 10} = {a * (b - b % 10)} and {a} * {b % 10} = '
+                   f'{a * (b % 10)}. Add them. ')
     return q, f"Let's {word} step by step. {steps}So {a} {op} {b} = {res}."
 
 UNITS = [('km', 'm', 1000), ('m', 'cm', 100), ('kg', 'g', 1000), ('hours', 'minutes', 60), ('minutes', 'seconds', 60),
@@ -93,8 +95,10 @@ def t_json(r):
     return q, 'Here is the record as JSON:\n```json\n' + json.dumps(d, indent=2) + '\n```'
 
 FUNCS = [('sum', 'the sum of a list of numbers', 'total = 0\n    for x in xs:\n        total += x\n    return total'),
-         ('maximum', 'the largest item of a list', 'best = xs[0]\n    for x in xs[1:]:\n        if x > best:\n            best = x\n    return best'),
-         ('count_even', 'how many numbers in a list are even', 'count = 0\n    for x in xs:\n        if x % 2 == 0:\n            count += 1\n    return count'),
+         ('maximum', 'the largest item of a list', 'best = xs[0]\n    for x in xs[1:]:\n        if x > best:\n           '
+                                                   ' best = x\n    return best'),
+         ('count_even', 'how many numbers in a list are even', 'count = 0\n    for x in xs:\n        if x % 2 == 0:\n            '
+                                                               'count += 1\n    return count'),
          ('reverse', 'a list in reverse order', 'return xs[::-1]'),
          ('mean', 'the mean of a list of numbers', 'return sum(xs) / len(xs)'),
          ('squares', 'the squares of a list of numbers', 'return [x * x for x in xs]')]

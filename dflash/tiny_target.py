@@ -90,7 +90,8 @@ def heldout_loss(model, seqs, pad_id, batch_size=32):
     for ids, mask, labels in lm_batches(seqs, batch_size, pad_id):
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         lab = labels[:, 1:]
-        tot += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), ignore_index=-100, reduction='sum').item()
+        tot += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), ignore_index=-100,
+                                                 reduction='sum').item()
         n += (lab != -100).sum().item()
     return tot / n
 

@@ -42,7 +42,8 @@ def check_trackers(report_to):
         mod, req = TRACKERS[n]
         try: importlib.import_module(mod)
         except Exception as e:
-            raise TrackerError(f"report_to={n}: the {n} tracker is not installed ({type(e).__name__}: {_line(e)}): pip install '{req}'") from None
+            raise TrackerError(f"report_to={n}: the {n} tracker is not installed ({type(e).__name__}: {_line(e)}): "
+                               f"pip install '{req}'") from None
     return names
 
 # %% ../nbs/track.ipynb #45e3caa0
@@ -170,7 +171,8 @@ class Trackers:
         for n in self.names:
             b = _BACKENDS[n]()
             try:
-                with redirect_stdout(io.StringIO()): self.state[n] = b.start(self.out, self.run_name, old.get(n), cfg, resume_step if resume else None, project)
+                with redirect_stdout(io.StringIO()):
+                    self.state[n] = b.start(self.out, self.run_name, old.get(n), cfg, resume_step if resume else None, project)
             except Exception as e:
                 self.close(ok=False)
                 raise TrackerError(f"report_to={n}: {n} did not start ({type(e).__name__}: {_line(e)}); its settings, or pip install -U "

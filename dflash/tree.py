@@ -171,19 +171,24 @@ TREE_T_FILE = 'tree_temperatures.json'
 TREE_T_BOUNDS = (0.01, 100.0)     # a fit moves within e^-1..e^1; outside these a tree is noise (huge) or underflows (tiny)
 
 def _tree_T_checked(T, n=None, where='tree_temperatures'):
-    "`T` as floats if it is a list of finite positive numbers (`n` of them, one per drafted slot, when `n` is given); else a ValueError naming `where`."
-    ok = isinstance(T, (list, tuple)) and len(T) > 0 and all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in T)
+    ("`T` as floats if it is a list of finite positive numbers (`n` of them, one per drafted slot, when `n` is given); else "
+     "a ValueError naming `where`.")
+    ok = isinstance(T, (list, tuple)) and len(T) > 0 and all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+                                                             and t > 0 for t in T)
     if not ok: raise ValueError(f'{where}: tree temperatures must be a non-empty list of finite positive numbers, got {T!r}')
     lo, hi = TREE_T_BOUNDS
-    if bad := [t for t in T if not lo <= t <= hi]: raise ValueError(f'{where}: tree temperatures {bad} outside {lo}..{hi}: fit them again (dflash_treecal)')
-    if n is not None and len(T) != n: raise ValueError(f'{where}: {len(T)} temperatures, expected {n}: one per drafted slot of this drafter')
+    if bad := [t for t in T if not lo <= t <= hi]:
+        raise ValueError(f'{where}: tree temperatures {bad} outside {lo}..{hi}: fit them again (dflash_treecal)')
+    if n is not None and len(T) != n:
+        raise ValueError(f'{where}: {len(T)} temperatures, expected {n}: one per drafted slot of this drafter')
     return [float(t) for t in T]
 
 def write_tree_temperatures(d, temperatures, **info):
     """Write `temperatures` (checked) and `info` (how they were fitted, what they gained) as `d`/`TREE_T_FILE`, tied to the weights beside
     it (their fingerprint, `weights_sha256`); returns the file."""
     f = Path(d) / TREE_T_FILE
-    return write_json_atomic(f, dict(temperatures=_tree_T_checked(list(temperatures), where=str(f)), weights_sha256=weights_sha256(d), **info))
+    return write_json_atomic(f, dict(temperatures=_tree_T_checked(list(temperatures), where=str(f)), weights_sha256=weights_sha256(d),
+                                     **info))
 
 def read_tree_temperatures(d, n=None):
     """The temperatures of `d`/`TREE_T_FILE`, checked (`n` of them when `n` is given); None where the drafter has no such file, or where
@@ -192,7 +197,8 @@ def read_tree_temperatures(d, n=None):
     if not f.is_file(): return None
     try: rec = json.loads(f.read_text()); T = rec['temperatures']
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f'{f}: not a tree-temperature file ({type(e).__name__}: {e}); delete it, or fit it again (dflash_treecal)') from None
+        raise ValueError(f'{f}: not a tree-temperature file ({type(e).__name__}: {e}); delete it, or fit it '
+                         'again (dflash_treecal)') from None
     if other_weights(rec.get('weights_sha256'), d):
         warnings.warn(f'{f}: fitted to other weights than those in {d} now (the drafter was saved again): not used, its trees grow at '
                       'temperature 1; fit them again (dflash_treecal)', stacklevel=2)
@@ -200,7 +206,8 @@ def read_tree_temperatures(d, n=None):
     return _tree_T_checked(T, n, str(f))
 
 def stale_tree_temperatures(d):
-    "Move `d`/`TREE_T_FILE` aside (to `tree_temperatures.stale.json`) if it was not fitted to the weights now in `d`; returns where, or None."
+    ("Move `d`/`TREE_T_FILE` aside (to `tree_temperatures.stale.json`) if it was not fitted to the weights now in "
+     "`d`; returns where, or None.")
     f = Path(d) / TREE_T_FILE
     if not f.is_file(): return None
     try: tied = (w := json.loads(f.read_text()).get('weights_sha256')) is not None and not other_weights(w, d)

@@ -59,7 +59,8 @@ class Verified:
         return x[self.rows.to(x.device), self.cols.to(x.device)]
 
     def along(self, x, path):
-        "The rows of `x` [b, W, ...] (an output of the same forward, e.g. a tap) at `path` (flattened, root first, in order): [len(path), ...]."
+        ("The rows of `x` [b, W, ...] (an output of the same forward, e.g. a tap) at `path` (flattened, root first, "
+         "in order): [len(path), ...].")
         return x[int(self.rows[path[-1]]), self.cols[path].to(x.device)]   # a row holding the deepest node holds its whole path
 
     def commit(self, target, cache, accepted):
@@ -146,7 +147,8 @@ def _eval_mode(*models):
 # %% ../nbs/verify.ipynb #a558941f
 @torch.no_grad()
 def step_costs(target, drafter, prompt, reps=10):
-    "Median seconds of one plain decode step, one verify step (a block of B tokens) and one draft step (DFlash2: its walk included), after `prompt`."
+    ("Median seconds of one plain decode step, one verify step (a block of B tokens) and one draft step (DFlash2: its "
+     "walk included), after `prompt`.")
     dev, B, ids = target.device, drafter.draft_len + 1, drafter.target_layer_ids
     cache = DynamicCache(config=target.config)
     with tap_layers(target, ids, stop=False) as hooked:
@@ -165,12 +167,14 @@ def step_costs(target, drafter, prompt, reps=10):
 def tree_verify_cost(target, prompt, budgets=(1, 4, 16, 64), block_size=16, reps=10, logits=None):
     """Median seconds, after `prompt`, of one plain decode step, one chain verify of a block of `block_size` (with the rollback after a
     rejection at its first slot) and one tree verify per budget N (the forward and the commit of the root: `verify_tree`), with the
-    rows each tree's forward read. The trees: `build_tree` of `logits` [block_size - 1, V] (None: every slot's token of rank r at -2 sqrt(r))."""
+    rows each tree's forward read. The trees: `build_tree` of `logits` [block_size - 1, V] (None: every slot's token of rank r at -2
+    sqrt(r))."""
     dev, root = target.device, prompt[-1]
     cache = DynamicCache(config=target.config)
     target(_ids(prompt[:-1], dev), cache=cache, use_cache=True)
     base, hs, back = snapshot(cache), bool(recurrent_mixers(target, cache)), lambda: restore(cache, base)
-    if logits is None: logits = (-2 * torch.arange(target.get_output_embeddings().weight.shape[0]).float().sqrt()).expand(block_size - 1, -1)
+    if logits is None:
+        logits = (-2 * torch.arange(target.get_output_embeddings().weight.shape[0]).float().sqrt()).expand(block_size - 1, -1)
     def chain():
         snap = snapshot(cache) if not croppable(cache) else length(cache)
         o = target(_ids([root] * block_size, dev), cache=cache, use_cache=True, output_hidden_states=hs)

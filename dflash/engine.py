@@ -18,7 +18,7 @@ from .dflash2 import DFLASH2
 from .designs import drafter_class
 from .evaluate import load_prompts, load_drafter, evaluate, check_inputs
 from .speedup import write_profile, predict, PROFILE_FILE
-from .shards import ExtractedDataset
+from .extracted import ExtractedDataset
 from .store import manifest_at
 from .validate import heldout_acceptance
 from .llamacpp import LLAMACPP, TAPPED, TAP_HOW, needs_tap, tap_built, xllamacpp

@@ -24,7 +24,7 @@ from .data import BadRow, DataError, load_conversations, prompt_of
 from .model import DFlashDraftModel
 from .designs import drafter_class
 from .publish import check_drafter
-from .shards import check_extraction
+from .extracted import check_extraction
 from .cache import _ids, recurrent_mixers
 from .sampling import sampling_probs, Sampling, _draw, speculative_sample
 from .tree import grow_tree, tree_sample, check_tree_budget, read_tree_temperatures

@@ -12,7 +12,8 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file, load_file
 from .core import file_sha256, write_json_atomic
-from .shards import ExtractedDataset, read_manifest, MANIFEST
+from .shards import read_manifest, MANIFEST
+from .extracted import ExtractedDataset
 from .store import is_url
 from .taps import load_target_config, config_sha256, weights_sha256, target_name
 from .model import drafter_config, DFlashDraftModel

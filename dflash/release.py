@@ -15,7 +15,7 @@ from .taps import target_name, text_config, load_target_config
 from .loss import GAMMA, parse_terms, needs_target, tree_loss_budget
 from .dspark import PAPER_CONFIDENCE
 from .designs import drafter_class, design_of
-from .shards import ExtractedDataset
+from .extracted import ExtractedDataset
 from .draft_vocab import label_coverage
 from .publish import save_drafter, model_card
 from .evaluate import TauProbe, NgramDrafter, tau_table

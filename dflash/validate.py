@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 from .batching import token_budget_batches
-from .shards import ExtractedDataset
+from .extracted import ExtractedDataset
 from .feed import collate
 from .core import write_json_atomic, first_free, append_jsonl
 from .dspark import sts_fit, survival_ece, sts_at_bound

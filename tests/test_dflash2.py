@@ -149,7 +149,7 @@ def test_hits_count_what_greedy_drafting_accepts(setup):
     with torch.no_grad(): o = d2(hs, ids, torch.ones_like(ids), anchors=anchors)
     assert torch.equal(accepted_lengths(o.labels, o.hits), accepted) and set(accepted.flatten().tolist()) == set(range(1, B + 1))
 
-class InMemory(__import__('dflash.shards', fromlist=['ExtractedDataset']).ExtractedDataset):
+class InMemory(__import__('dflash.extracted', fromlist=['ExtractedDataset']).ExtractedDataset):
     "Rows of (taps, ids, loss mask) held in memory, read as an extraction is."
     def __init__(self, hs, ids, lm):
         import numpy as np

@@ -10,7 +10,8 @@ from dflash.extract import extract_cli, extract
 from dflash.evaluate import evaluate_cli
 from dflash.train import train_cli
 from dflash.checkpoint import latest_checkpoint
-from dflash.shards import ExtractedDataset, read_manifest, update_manifest
+from dflash.shards import read_manifest, update_manifest
+from dflash.extracted import ExtractedDataset
 
 BIN = Path(sys.executable).parent
 

@@ -9,7 +9,8 @@ from dflash.extract import extract
 from dflash.engine import engine_cli
 from dflash.treecal import treecal_cli
 from dflash.evaluate import check_inputs, load_drafter, evaluate_cli
-from dflash.shards import check_extraction, read_manifest
+from dflash.shards import read_manifest
+from dflash.extracted import check_extraction
 from dflash.speedup import write_profile
 from dflash.train import train_cli
 from dflash.tree import write_tree_temperatures, read_tree_temperatures, TREE_T_FILE
@@ -380,7 +381,7 @@ def test_import_drafter_checks_every_tensor_against_its_config(w, tmp_path):
 def test_to_specforge_writes_each_samples_rows_only(w, tmp_path):
     "8: with dtype=None each .ckpt held its sample's whole shard (a slice of a memory map saves its storage): 43 MB for 1.08 MB of states."
     from dflash.peers import to_specforge
-    from dflash.shards import ExtractedDataset
+    from dflash.extracted import ExtractedDataset
     xds = ExtractedDataset(w / 'xA')
     r = to_specforge(xds, tmp_path / 'sf')
     files = list((tmp_path / 'sf').rglob('*.ckpt'))

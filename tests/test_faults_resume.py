@@ -13,7 +13,7 @@ from dflash.plan import PlanConfig
 from dflash.regenerate import RegenerateConfig
 from dflash.gguf import GGUFConfig
 from dflash.recipe import TrainConfig
-from dflash.shards import ExtractedDataset
+from dflash.extracted import ExtractedDataset
 from dflash.checkpoint import RESUME_KEYS, SHAPE_KEYS, FIXED_KEYS, latest_checkpoint
 from dflash.optim import lr_factor
 from dflash.train import train_cli

@@ -86,7 +86,8 @@ def test_extraction_copies_to_the_host_through_a_ring_of_fixed_bytes(tmp_path, m
     from dflash.data import TokenizedDataset
     from dflash.batching import token_budget_batches
     from dflash.extract import Extractor, HostRing
-    from dflash.shards import ShardWriter, ExtractedDataset, open_out
+    from dflash.shards import ShardWriter, open_out
+    from dflash.extracted import ExtractedDataset
     model, g = make_target('qwen3_5'), np.random.default_rng(0)
     ds = TokenizedDataset.from_samples([dict(id=f's{i}', input_ids=g.integers(10, 2000, n).astype(np.int32), loss_mask=np.ones(n, np.uint8))
                                         for i, n in enumerate(g.integers(20, 200, 40))])
@@ -184,7 +185,7 @@ def test_the_launcher_keeps_no_target(tmp_path, monkeypatch):
     from dflash import taps
     from dflash.recipe import TrainConfig
     from dflash.resolve import resolve
-    from dflash.shards import ExtractedDataset
+    from dflash.extracted import ExtractedDataset
     monkeypatch.setenv('DFLASH_LAUNCHER_CHILD', '1')
     before = taps.TARGET_LOADS[0]
     run = resolve(TrainConfig(out=str(tmp_path / 'run'), targets='auto', ranks=3, val_samples=4, max_samples=64, progress=False))

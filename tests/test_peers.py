@@ -12,7 +12,7 @@ def test_peer_formats_round_trip_a_smollm2_sample(tmp_path):
     from transformers import AutoModelForCausalLM
     from dflash.gguf import smollm2
     from dflash.extract import extract
-    from dflash.shards import ExtractedDataset
+    from dflash.extracted import ExtractedDataset
     from dflash.peers import select_taps, to_specforge, read_specforge, to_speculators, read_speculators, capture, capture_gap
     t = str(smollm2())
     x = ExtractedDataset(extract(target=t, data=str(REAL_REGEN), out=str(tmp_path / 'x'), layer_ids=[1, 14, 29], max_samples=3,

@@ -8,7 +8,8 @@ import json, os, shutil, signal, socket, subprocess, sys, threading, time
 from pathlib import Path
 import numpy as np, pytest, torch
 from dflash.core import TRAIN_DATA
-from dflash.shards import ExtractedDataset, read_manifest
+from dflash.shards import read_manifest
+from dflash.extracted import ExtractedDataset
 from dflash.store import Store
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ from transformers import AutoConfig
 from dflash.core import TRAIN_DATA, read_metrics
 from dflash.data import prepare_cli
 from dflash.extract import extract
-from dflash.shards import ExtractedDataset
+from dflash.extracted import ExtractedDataset
 from dflash.feed import OfflineSource
 from dflash.batching import Plan
 from dflash.dist import Coord

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest, torch
 from dflash.core import TINY_TARGET, HELDOUT_REGEN, read_metrics
 from dflash.extract import extract
-from dflash.shards import ExtractedDataset
+from dflash.extracted import ExtractedDataset
 from dflash.taps import load_target, load_tokenizer
 from dflash.evaluate import evaluate, greedy_reference, load_drafter, load_prompts
 from dflash.validate import heldout_acceptance, better

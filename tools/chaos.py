@@ -113,7 +113,7 @@ def interrupt(job, cmd, out, rng):
 def same_extraction(out, ref):
     "Every sample's rows, ids and mask bit-identical to the reference; every shard's sha256 right."
     import torch
-    from dflash.shards import ExtractedDataset
+    from dflash.extracted import ExtractedDataset
     a, b = ExtractedDataset(out, require_complete=True, verify=True), ExtractedDataset(ref)
     a.verify_all()
     if list(a.sample_ids) != list(b.sample_ids): return 'other samples'

@@ -158,7 +158,7 @@ def check_extract(a, torch, dev, tok, tmp):
     from transformers import AutoModelForCausalLM
     from dflash.taps import capture, pad_batch, tap_layers, StopForward, default_layer_ids
     from dflash.extract import extract
-    from dflash.shards import ExtractedDataset
+    from dflash.extracted import ExtractedDataset
     from dflash.batching import token_budget_batches
     from dflash.plan import target_flops_per_token
     cfg = hybrid_config(tok, a.cpu)

@@ -8,8 +8,10 @@ from dflash.core import TRAIN_DATA, read_metrics
 from dflash.tiny_target import target_config
 from dflash.data import TokenizedDataset, prepare
 from dflash.taps import default_layer_ids, decoder_layers, capture, tap_layers, pad_batch
-from dflash.shards import quantize_fp8, dequantize_fp8, ExtractedDataset, load_sample, read_manifest, update_manifest
-from dflash.extract import extract, Extractor, find_token_budget
+from dflash.shards import quantize_fp8, dequantize_fp8, read_manifest, update_manifest
+from dflash.extracted import ExtractedDataset, load_sample
+from dflash.extract import extract, Extractor
+from dflash.batching import find_token_budget
 
 @pytest.fixture(scope='module')
 def hybrid(make_target): return lambda layers=4, seed=0: make_target('qwen3_5', layers=layers, seed=seed)
@@ -336,7 +338,7 @@ def test_extract_final_states_are_the_targets_and_fp8_has_its_own_scales(work, b
 def test_extract_final_states_resume_and_corruption(work, final_base):
     "Damaged final rows are caught by verify (naming the shard) and redone on resume, bit for bit; a changed setting is refused."
     import shutil
-    from dflash.shards import CorruptShard
+    from dflash.extracted import CorruptShard
     kw, ref = final_base
     out = work / 'final-damaged'
     shutil.copytree(work / 'final', out)

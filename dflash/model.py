@@ -99,8 +99,7 @@ _TARGET_ONLY_ROPE = ('partial_rotary_factor', 'mrope_section', 'mrope_interleave
 
 def _rope(tc):
     rp = dict(getattr(tc, 'rope_parameters', None) or {})
-    if isinstance(rp.get(FULL), dict):
-        rp = dict(rp[FULL])      # one table per layer type (Gemma 3): a drafter has one RoPE, the global layers'
+    if isinstance(rp.get(FULL), dict): rp = dict(rp[FULL])  # one table per layer type (Gemma 3): a drafter has one RoPE, the global layers'
     rp.setdefault('rope_theta', getattr(tc, 'rope_theta', 10000.0)); rp.setdefault('rope_type', 'default')
     return {k: v for k, v in rp.items() if k not in _TARGET_ONLY_ROPE}
 
@@ -147,8 +146,7 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(H, config.num_key_value_heads * d, bias=bias)
         self.v_proj = nn.Linear(H, config.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * d, H, bias=bias)
-        self.q_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.q_norm, self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps), Qwen3RMSNorm(d, eps=config.rms_norm_eps)
 
     def _heads(self, x): return x.view(*x.shape[:2], -1, self.head_dim)
 
@@ -203,8 +201,7 @@ class DFlashDraftModel(PreTrainedModel):
         H = config.hidden_size
         self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
-        self.norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
+        self.hidden_norm, self.norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps), Qwen3RMSNorm(H, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.register_buffer('feature_scale', None, persistent=False)   # see `set_feature_scale`
         self.post_init()
@@ -212,8 +209,7 @@ class DFlashDraftModel(PreTrainedModel):
     block_size = property(lambda self: self.config.block_size)
     mask_token_id = property(lambda self: self.config.mask_token_id)
     target_layer_ids = property(lambda self: self.config.target_layer_ids)
-    draft_len = property(lambda self: self.block_size - 1, doc='Tokens drafted per block: slots 1..B-1 (slot 0 '
-                                                               'holds the last committed token).')
+    draft_len = property(lambda self: self.block_size - 1, doc='Tokens a block drafts: slots 1..B-1 (slot 0 is the last committed token).')
     def draft_hits(self, h, labels, hit):
         ("Whether each labelled row drafts its label: `hit`, the loss's argmax over the target's head (a served form with a head of its "
          "own reads that, `draft_vocab.ipynb`).")
@@ -250,8 +246,7 @@ class DFlashDraftModel(PreTrainedModel):
 
     def logits(self, h):
         "Drafter states -> logits through the target's head (then `logit_transform`); gradient flows to `h`, never to the head."
-        head = self._io()[1]
-        b = getattr(head, 'bias', None)
+        head = self._io()[1]; b = getattr(head, 'bias', None)
         return _softcap(F.linear(h.to(head.weight.dtype), head.weight.detach(), None if b is None else b.detach()), *self.logit_transform)
 
     def context(self, hidden_states):
@@ -275,8 +270,7 @@ def _block_states(self, hidden_states, input_ids, loss_mask, anchors=None, ancho
                   attn_impl=None, attn_chunk=64):
     """Every block of every sequence in one pass: `(final states of the drafted slots [b, A, draft_len, H] (DFlash: 1..B-1), their
     `block_labels`, anchors, anchor_valid)`."""
-    b, S = input_ids.shape
-    B, dev = self.block_size, input_ids.device
+    (b, S), B, dev = input_ids.shape, self.block_size, input_ids.device
     if anchors is None: anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, generator)
     elif not torch.is_tensor(anchors): anchors, anchor_valid = pad_anchors(anchors, dev)
     anchor_valid = torch.ones_like(anchors, dtype=torch.bool) if anchor_valid is None else anchor_valid.bool().to(dev)
@@ -295,7 +289,6 @@ def _block_states(self, hidden_states, input_ids, loss_mask, anchors=None, ancho
     h = self.norm(h).view(b, A, B, -1)[:, :, B - self.draft_len:]       # the drafted slots: DFlash's 1..B-1
     return h, self.block_labels(input_ids, loss_mask, anchors, anchor_valid), anchors, anchor_valid
 
-# %% ../nbs/model.ipynb #5c4222ad
 def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_valid=None, num_anchors=512,
              generator=None, gamma=None, attn_impl=None, chunk=4096, return_logits=False, attn_chunk=64, vocab=None,
              loss='decay', dpace_alpha=0.5, selector_alpha=1.0, final_hidden=None, terms=None, teacher_transform=None):
@@ -303,8 +296,7 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
     the labels'). `loss`: the slots' weights, 'decay' (`gamma`), 'dpace', 'tree@N' or 'treegrad@N' (`dpace_alpha`); `terms`: what each slot
     is scored by (`parse_terms`; None: CE), with the target's `final_hidden` states for a distribution term (its logits through the head and
     `teacher_transform`, the target's `(mult, cap)`; None: the drafter's `logit_transform`); `selector_alpha`: DFlash2's selector term."""
-    tree_loss_budget(loss)                                              # 'decay', 'dpace', 'tree@N' or 'treegrad@N',
-                                                                        # else refused with the choices
+    tree_loss_budget(loss)   # 'decay', 'dpace', 'tree@N' or 'treegrad@N', else refused with the choices
     h, labels, anchors, anchor_valid = _block_states(self, hidden_states, input_ids, loss_mask, anchors, anchor_valid, num_anchors,
                                                      generator, attn_impl, attn_chunk)
     keep = labels != -100
@@ -411,7 +403,6 @@ def _propose(self, context_hidden, last_token, start_pos=None, cache=None, tempe
         return path, None, q
     return self.draft(context_hidden, last_token, start_pos, cache).argmax(-1), None, None
 
-# %% ../nbs/model.ipynb #560f2264
 def _tree_scale(self, n, device=None):
     """[n] divisors of the scores a tree ranks at depths 1..n: the drafter's `tree_temperatures` (fitted for its trees by `treecal.ipynb`,
     read beside the weights), else ones. Chains never read them, nor a tree at T > 0 (it grows from the sampler's warp)."""

@@ -78,10 +78,12 @@ FREE_KEYS = ('data', 'extracted', 'max_length', 'cache_dir', 'cache_gb',     # t
              'out', 'targets', 'ranks', 'q_depth', 'q_gb', 'send_gb', 'mask_mb', 'log_every', 'eval_every', 'tau_every', 'eval_data',
              'eval_prompts', 'eval_max_new_tokens', 'eval_temperature', 'eval_top_p', 'eval_top_k', 'eval_tree_budget', 'report_to',
              'final_eval', 'verify', 'compile', 'ckpt_every', 'keep', 'resume', 'resume_changes', 'overwrite', 'device', 'dtype', 'threads',
-             'nnodes', 'rdzv_endpoint', 'max_restarts', 'pg_timeout_s', 'dead_after_s', 'progress', 'servable', 'engine_eval')
+             'nnodes', 'rdzv_endpoint', 'max_restarts', 'pg_timeout_s', 'dead_after_s', 'progress', 'servable', 'engine_eval',
+             'grad_ckpt', 'gpus', 'gpu_mem_gb', 'headroom')
 NOT_ADOPTED = ('target', 'data', 'extracted', 'out', 'resume', 'resume_changes', 'overwrite', 'device', 'threads', 'nnodes',
-               'rdzv_endpoint', 'progress', 'val_extracted', 'cache_dir')     # the user says these each time (val_extracted:
-                                                                              # only an extraction the user gave is adopted)
+               'rdzv_endpoint', 'progress', 'val_extracted', 'cache_dir', 'gpus', 'gpu_mem_gb', 'grad_ckpt')
+# the user says these each time (val_extracted: only an extraction the user gave is adopted; the GPUs and grad_ckpt: the
+# machine's memory plan, made again)
 
 # %% ../nbs/checkpoint.ipynb #546ef4ea
 def adopt_checkpoint(cfg, old):

@@ -4,18 +4,22 @@
 
 # %% auto #0
 __all__ = ['STORE_BYTES', 'HYBRID_27B_DEFAULT', 'meta_model', 'target_params', 'activation_bytes_per_token',
-           'target_flops_per_token', 'drafter_flops_per_token', 'PlanConfig', 'drafter_bytes_per_token',
-           'head_chunk_bytes', 'draft_head_share', 'held_buffers', 'store_needs', 'plan', 'buffers_line', 'store_line',
-           'show_plan', 'plan_cli']
+           'layer_bytes_per_row', 'drafter_bytes_per_token', 'head_chunk_bytes', 'target_flops_per_token',
+           'drafter_flops_per_token', 'PlanConfig', 'draft_head_share', 'held_buffers', 'store_needs', 'rank_budgets',
+           'plan', 'buffers_line', 'store_line', 'show_plan', 'run_gpus', 'run_plan', 'plan_cli']
 
 # %% ../nbs/plan.ipynb #3f16f36d
 import math
 from dataclasses import dataclass
 from pathlib import Path
+import numpy as np
 import torch
 from .core import DATA, Job, param, run_cli
-from .taps import default_layer_ids, check_layer_ids, load_target_config, text_config
+from .taps import default_layer_ids, check_layer_ids, load_target_config, text_config, gpu_count
 from .model import DFlashDraftModel, drafter_config
+from .loss import HEAD_BYTES_PER_LOGIT, head_rows
+from .recipe import rank_device, device_memory
+
 
 # %% ../nbs/plan.ipynb #cd45142f
 def meta_model(config):
@@ -43,6 +47,29 @@ def activation_bytes_per_token(config, n_taps, dtype_bytes=2):
     "Bytes of activations alive per token of a batch during extraction's forward (see above)."
     tc = text_config(config)
     return dtype_bytes * (3 * tc.hidden_size + max(3 * tc.intermediate_size, _attn_width(tc)) + n_taps * tc.hidden_size)
+
+# %% ../nbs/plan.ipynb #1181a110
+def layer_bytes_per_row(d):
+    """Bytes one drafter layer keeps for the backward per drafted row, in bf16 autocast: each RMSNorm its fp32 input and normed copy
+    and its bf16 output (8 bytes a channel), q and k through their norms and RoPE (16 a channel), v, the attention's output, and the
+    MLP's gate, up, activation and product (8 a channel of I)."""
+    H, I, q, kv = d.hidden_size, d.intermediate_size, d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
+    return 16 * H + 16 * q + 14 * kv + 8 * I
+
+def drafter_bytes_per_token(dconfig, mean_length, num_anchors=512, grad_ckpt=False):
+    """Training activations of a drafter rank per token of a batch (flex attention: no scores held): the context's features and every
+    layer's keys and values of it, and for each drafted slot every layer's `layer_bytes_per_row` and the head's rows (the final norm and
+    the gradient the loss keeps). `grad_ckpt`: a layer keeps only its input, and the backward recomputes one layer at a time."""
+    d = dconfig; H, B, n, kv = d.hidden_size, d.block_size, d.num_hidden_layers, d.num_key_value_heads * d.head_dim
+    slots = min(num_anchors, mean_length / 2) * B / mean_length                 # drafted slots per token of data
+    ctx = 2 * len(d.target_layer_ids) * H + 10 * H + n * 14 * kv
+    layers = n * 2 * H + layer_bytes_per_row(d) if grad_ckpt else n * layer_bytes_per_row(d)
+    return ctx + slots * (layers + 10 * H)
+
+def head_chunk_bytes(dconfig):
+    "The loss's logits, one chunk of `head_rows` rows at a time: the vocabulary makes it large, the chunk's rows keep it within bytes."
+    return HEAD_BYTES_PER_LOGIT * head_rows(dconfig.vocab_size) * dconfig.vocab_size
+
 
 # %% ../nbs/plan.ipynb #da9384aa
 def target_flops_per_token(config, layer_ids, seq_len):
@@ -84,7 +111,14 @@ class PlanConfig(Job):
     layer_ids: list[int] | None = param(None, 'tapped layers; None: the DFlash rule for num_layers')
     final_hidden: bool = param(False, "also store the target's final hidden state (a loss against its distribution): one more row a token, every layer run")
     headroom: float = param(0.15, 'fraction of GPU memory kept free', min=0, max=0.9)
-    token_budget: int = param(16384, "the run's token budget (the recipe's), which sizes its HS queue's batches", min=1)
+    token_budget: int = param(16384, "the run's token budget at most (the recipe's): the plan gives the run the largest that fits, up to it; "
+                              "it sizes the HS queue's batches", min=1)
+    max_length: int = param(3072, 'tokens of the longest sample (the recipe: 3072): a batch holds one whole, so the budget is at least it',
+                            min=2)
+    targets: int | None = param(None, 'target ranks (0: training offline, every GPU a drafter rank); None: GPUs in proportion to the FLOPs '
+                                'of each side', min=0)
+    grad_ckpt: bool | None = param(None, "recompute each drafter layer in the backward, keeping only its input; None: where a drafter "
+                                   "rank could not hold a sample of max_length without it")
     q_depth: int = param(20, 'HS queue: batches per target rank (as TrainConfig)', min=1)
     q_gb: float = param(8.0, 'HS queue: GiB a drafter rank holds at most (as TrainConfig)', gt=0)
     send_gb: float = param(2.0, 'HS queue: GiB a target rank holds in sends not yet received (as TrainConfig)', gt=0)
@@ -100,20 +134,13 @@ class PlanConfig(Job):
 
     def check(self):
         if self.target is None: self.set('target', str(HYBRID_27B_DEFAULT), 'the shipped 64-layer hybrid config')
+        if self.targets is not None and self.gpus > 1 and self.targets >= self.gpus:
+            raise ValueError(f'targets={self.targets}: {self.gpus} GPUs leave no drafter rank (one GPU: a target and a drafter share it)')
+        if self.gpus == 1 and (self.targets or 0) > 1: raise ValueError(f'targets={self.targets}: one GPU holds one target rank at most')
         return self
 
-def drafter_bytes_per_token(dconfig, mean_length, num_anchors=512, dtype_bytes=2):
-    """Training activations of a drafter rank per token of a batch (bf16 autocast, flex attention: no scores held): the context's
-    features and keys, and for each drafted slot every layer's intermediates, kept for the backward."""
-    d = dconfig; H, B, n, kv = d.hidden_size, d.block_size, d.num_hidden_layers, d.num_key_value_heads * d.head_dim
-    slots = min(num_anchors, mean_length / 2) * B / mean_length                 # drafted slots per token of data
-    ctx = len(d.target_layer_ids) * H + H + n * 2 * kv
-    return dtype_bytes * (ctx + slots * n * (8 * H + 4 * d.intermediate_size))
 
-def head_chunk_bytes(dconfig, chunk=4096):
-    "The loss's logits, one chunk of rows at a time (fp32, and their bf16 copy for the gradient): the vocabulary makes it large."
-    return 6 * chunk * dconfig.vocab_size
-
+# %% ../nbs/plan.ipynb #741db39b
 def draft_head_share(dconfig, rows=None, context=1500):
     """The head's share of a drafter's serving FLOPs per drafted row: every layer (projections, MLP, attention over `context` positions
     and its block) against the head over `rows` tokens (None: the target's whole vocabulary)."""
@@ -143,40 +170,62 @@ def store_needs(job, disk, drafters):
                 staging_bytes=job.staging_disk_gb * 2**30, cache_bytes=job.cache_gb * 2**30, cache_total_bytes=drafters * job.cache_gb * 2**30,
                 step_bytes=step, cache_ok=step <= job.cache_gb * 2**30, staging_ok=(job.gpus + 1) * shard <= job.staging_disk_gb * 2**30)
 
+
+# %% ../nbs/plan.ipynb #919d1c00
+def _split(job, ft, fd):
+    "`(targets, drafters)`: the job's `targets` (0: offline), else the GPUs in proportion to each side's FLOPs per token of data."
+    t = job.targets if job.targets is not None else 1 if job.gpus == 1 else min(job.gpus - 1, max(1, round(job.gpus * ft / (ft + fd))))
+    return t, max(1, job.gpus - t)
+
+def rank_budgets(job, room, weights, act, fixed, dcfg, t):
+    """`(target's largest budget or None offline, drafter's largest budget, drafter bytes a token, grad_ckpt)` in `room` bytes of a GPU.
+    A target rank holds its weights, its posted sends (in `weights`) and `act` bytes a token; a drafter rank `fixed` and its activations;
+    one GPU of a target and a drafter holds both at one budget. `grad_ckpt` None: on where a sample of `max_length` fits only with it."""
+    shared = job.gpus == 1 and t == 1
+    def budgets(ckpt):
+        dact = drafter_bytes_per_token(dcfg, job.mean_length, job.num_anchors, ckpt)
+        tfree = room - weights - (fixed if shared else 0)
+        tb = max(0, int(tfree // (act + (dact if shared else 0)))) if t else None
+        return tb, tb if shared else max(0, int((room - fixed) // dact)), dact
+    ckpt = job.grad_ckpt if job.grad_ckpt is not None else budgets(False)[1] < job.max_length
+    return (*budgets(ckpt), ckpt)
+
 def plan(*args, **kw):
-    "The plan of a run (see `PlanConfig`): memory, token budget, disk, FLOPs and a target:drafter split, as a dict."
+    "The plan of a run (see `PlanConfig`): memory, token budgets, disk, FLOPs and a target:drafter split, as a dict."
     job = args[0] if args and isinstance(args[0], Job) else PlanConfig(*args, **kw)
     config = load_target_config(job.target); tc = text_config(config)
     ids = check_layer_ids(job.layer_ids or default_layer_ids(tc.num_hidden_layers, job.num_layers), tc.num_hidden_layers)
     total, per_layer, io = target_params(config)
     dcfg = drafter_config(config, job.num_layers, job.block_size, 0, ids)
     with torch.device('meta'): drafter = _numel(DFlashDraftModel(dcfg))
-    gb = 1e9
-    weights, act = 2 * total, activation_bytes_per_token(config, len(ids))
-    drafter_fixed, dact = 16 * drafter + 2 * io + head_chunk_bytes(dcfg), drafter_bytes_per_token(dcfg, job.mean_length, job.num_anchors)
+    gb, weights, act = 1e9, 2 * total, activation_bytes_per_token(config, len(ids))
     reach = ids + [tc.num_hidden_layers - 1] if job.final_hidden else ids           # the layers the target runs
     ft, fd = target_flops_per_token(config, reach, job.mean_length), drafter_flops_per_token(dcfg, job.mean_length, job.num_anchors)
-    t = 1 if job.gpus == 1 else min(job.gpus - 1, max(1, round(job.gpus * ft / (ft + fd))))
-    bufs = held_buffers(job, tc.hidden_size, len(ids), t, max(1, job.gpus - t))
-    drafter_fixed += bufs['queue_bytes'] + bufs['mask_bytes']                     # held in bytes by a setting each
+    t, dr = _split(job, ft, fd)
+    bufs = held_buffers(job, tc.hidden_size, len(ids), max(t, 1), dr)
+    fixed = 16 * drafter + 2 * io + head_chunk_bytes(dcfg) + bufs['queue_bytes'] + bufs['mask_bytes']   # held in bytes by a setting each
     room = (1 - job.headroom) * job.gpu_mem_gb * gb
-    free = room - weights - bufs['send_bytes'] - (drafter_fixed if job.gpus == 1 else 0)   # its posted sends; one GPU: both ranks share it
-    budget = int(free // (act + (dact if job.gpus == 1 else 0))) if free > 0 else 0
-    dbudget = budget if job.gpus == 1 else max(0, int((room - drafter_fixed) // dact))   # a drafter rank holds the same batches
-    drafter_mem = drafter_fixed + dact * min(budget, dbudget)
+    tb, db, dact, ckpt = rank_budgets(job, room, weights + bufs['send_bytes'], act, fixed, dcfg, t)
+    run = min(job.token_budget, db, db if tb is None else tb)
+    tmem = weights + bufs['send_bytes'] + act * run if t else None
+    dmem = fixed + dact * run + (tmem if job.gpus == 1 and t == 1 else 0)
     rows = len(ids) + job.final_hidden                                            # the final state: a row of its own
     disk = {k: rows * tc.hidden_size * b + 5 + (4 * (1 + job.final_hidden) if k == 'fp8' else 0) for k, b in STORE_BYTES.items()}   # + id, mask (+ scales)
-    staging = min(job.staging_gb * 2**30, (job.write_queue + 2) * max(budget, 1) * rows * tc.hidden_size * 2)   # extraction: bf16 rows
-    store = store_needs(job, disk, max(1, job.gpus - t))
-    return dict(target=str(job.target), params=total, vocab_size=tc.vocab_size, layer_ids=ids, weights_gb=weights / gb, skippable_gb=2 * (sum(per_layer[max(reach) + 1:])) / gb,
-                fits=free > 0, activation_mb_per_1k_tokens=act * 1024 / 2**20, token_budget=budget, drafter_token_budget=dbudget,
-                drafter_params=drafter, drafter_rank_gb=drafter_mem / gb, disk_bytes_per_token=disk,
-                disk_tb={k: v * job.dataset_tokens / 1e12 for k, v in disk.items()},
-                target_gflop_per_token=ft / 1e9, drafter_gflop_per_token=fd / 1e9, targets=t, drafters=max(1, job.gpus - t),
+    staging = min(job.staging_gb * 2**30, (job.write_queue + 2) * max(tb or 1, 1) * rows * tc.hidden_size * 2)   # extraction: bf16 rows
+    store = store_needs(job, disk, dr)
+    return dict(target=str(job.target), params=total, vocab_size=tc.vocab_size, layer_ids=ids, weights_gb=weights / gb,
+                skippable_gb=2 * (sum(per_layer[max(reach) + 1:])) / gb, fits=run >= job.max_length, target_fits=tb is None or tb > 0,
+                activation_mb_per_1k_tokens=act * 1024 / 2**20, token_budget=tb, drafter_token_budget=db, run_token_budget=run,
+                grad_ckpt=ckpt, target_rank_gb=None if tmem is None else tmem / gb, drafter_rank_gb=dmem / gb, gpu_gb=job.gpu_mem_gb,
+                drafter_params=drafter, disk_bytes_per_token=disk, disk_tb={k: v * job.dataset_tokens / 1e12 for k, v in disk.items()},
+                target_gflop_per_token=ft / 1e9, drafter_gflop_per_token=fd / 1e9, targets=t, drafters=dr,
                 head_chunk_gb=head_chunk_bytes(dcfg) / gb, drafter_mb_per_1k_tokens=dact * 1024 / 2**20, buffers=dict(bufs, staging_bytes=staging),
-                head_share=dict(full=draft_head_share(dcfg, None, job.mean_length), served=draft_head_share(dcfg, min(job.draft_vocab, tc.vocab_size), job.mean_length)),
+                head_share=dict(full=draft_head_share(dcfg, None, job.mean_length),
+                                served=draft_head_share(dcfg, min(job.draft_vocab, tc.vocab_size), job.mean_length)),
                 store=store, job=job.to_dict())
 
+
+# %% ../nbs/plan.ipynb #154fc229
 def buffers_line(p):
     "What the ranks hold besides models and activations, each bounded by a setting."
     b, j, G = p['buffers'], p['job'], 2**30
@@ -199,22 +248,52 @@ def store_line(p):
 def show_plan(p):
     "The plan as an operator reads it."
     j = p['job']
-    fit = (f"fits: the largest token budget is about {p['token_budget']:,} tokens ({p['activation_mb_per_1k_tokens']:.0f} MiB per 1K tokens)"
-           if p['fits'] else f"does NOT fit on one {j['gpu_mem_gb']:.0f} GB GPU with {100 * j['headroom']:.0f}% kept free (tensor parallelism is not supported)")
+    tgt = ('none: training offline from an extraction' if p['token_budget'] is None else
+           f"fits {p['token_budget']:,} tokens at most ({p['activation_mb_per_1k_tokens']:.0f} MiB per 1K tokens)" if p['target_fits'] else
+           f"does NOT fit on one {j['gpu_mem_gb']:.0f} GB GPU with {100 * j['headroom']:.0f}% kept free (tensor parallelism is not supported)")
+    run = (f"the run: token_budget={p['run_token_budget']:,} (the largest that fits, at most {j['token_budget']:,}), planned peaks "
+           + (f"target rank {p['target_rank_gb']:.1f} GB, " if p['target_rank_gb'] is not None and j['gpus'] > 1 else '')
+           + f"{'the shared GPU' if j['gpus'] == 1 and p['targets'] == 1 else 'drafter rank'} {p['drafter_rank_gb']:.1f} GB of "
+           f"{j['gpu_mem_gb']:g} GB" + ('' if p['fits'] else f"; does NOT fit: a sample of max_length={j['max_length']:,} tokens needs a "
+           "budget at least that (lower num_anchors or max_length, or more GPU memory)"))
     return '\n'.join([
         f"{p['target']}: {p['params'] / 1e9:.2f}B parameters; taps {p['layer_ids']}",
-        f"target rank: weights {p['weights_gb']:.1f} GB in bf16 ({p['skippable_gb']:.1f} GB of it past the last tap); {fit}",
-        f"drafter rank: {p['drafter_params'] / 1e9:.2f}B parameters; AdamW, the target's embedding and head, the loss's logits ({p['head_chunk_gb']:.1f} GB "
-        f"a chunk) and {p['drafter_mb_per_1k_tokens']:.0f} MiB of activations per 1K tokens: {p['drafter_rank_gb']:.1f} GB at a budget of "
-        f"{min(p['token_budget'], p['drafter_token_budget']):,} tokens (its own largest: {p['drafter_token_budget']:,})",
+        f"target rank: weights {p['weights_gb']:.1f} GB in bf16 ({p['skippable_gb']:.1f} GB of it past the last tap); {tgt}",
+        f"drafter rank: {p['drafter_params'] / 1e9:.2f}B parameters; AdamW, the target's embedding and head, the loss's logits "
+        f"({p['head_chunk_gb']:.1f} GB a chunk) and {p['drafter_mb_per_1k_tokens']:.0f} MiB of activations per 1K tokens"
+        f"{' (grad_ckpt: each layer recomputed in the backward)' if p['grad_ckpt'] else ''}: fits {p['drafter_token_budget']:,} tokens at most",
+        run,
         'disk per token' + (" (the taps and the target's final state)" if j.get('final_hidden') else '') + ': ' + ', '.join(f"{k} {v / 1e3:.1f} KB" for k, v in p['disk_bytes_per_token'].items())
         + f"; for {j['dataset_tokens']:.3g} tokens: " + ', '.join(f"{k} {v:.2f} TB" for k, v in p['disk_tb'].items()),
         f"FLOPs per token of data: target {p['target_gflop_per_token']:.1f} G (to layer {max(p['layer_ids'])}), drafter {p['drafter_gflop_per_token']:.1f} G (training)",
         buffers_line(p), store_line(p),
         f"a drafted row's FLOPs when served: the head is {100 * p['head_share']['full']:.0f}% of them over the target's {p['vocab_size']:,} rows, "
         f"{100 * p['head_share']['served']:.0f}% over a vocabulary of its own of {min(j['draft_vocab'], p['vocab_size']):,} (train_vocab; draft_vocab.ipynb)",
-        (f"one GPU: one target rank and one drafter rank share it (targets=1, drafters=1), the budget above counting both" if j['gpus'] == 1 else
+        (f"one GPU: one target rank and one drafter rank share it (targets=1, drafters=1), the budget counting both" if j['gpus'] == 1 and p['targets'] == 1 else
+         f"{j['gpus']} GPUs: every one a drafter rank (offline)" if p['targets'] == 0 else
          f"a starting split of {j['gpus']} GPUs: targets={p['targets']}, drafters={p['drafters']} (equal work per second on each side; refine with the dashboard)")])
+
+
+# %% ../nbs/plan.ipynb #0eb0d084
+def run_gpus(cfg):
+    "`(GPUs a machine, GB each)` the memory plan of the run `cfg` counts: the stated ones, else this machine's; None: its ranks run on a CPU."
+    if cfg.gpu_mem_gb is None and rank_device(cfg, 0).type != 'cuda': return None
+    return cfg.gpus or gpu_count() or cfg.world // cfg.nnodes, cfg.gpu_mem_gb or device_memory(torch.device('cuda', 0)) / 1e9
+
+def run_plan(cfg, lengths, final_hidden=False):
+    """The memory plan of the run `cfg` (a `TrainConfig`, its target, drafter and queue settings) on its GPUs, for the `lengths` of the
+    samples it trains on: `plan`'s dict, or a line saying why there is none. A rank a GPU, or one target and one drafter sharing one."""
+    if (g := run_gpus(cfg)) is None: return 'its ranks run on a CPU (gpu_mem_gb plans for a GPU)'
+    (n, gb), per, t = g, cfg.world // cfg.nnodes, cfg.targets if cfg.online else 0
+    shared = per > n
+    if shared and not (n == 1 and t == 1 and cfg.drafters == 1):
+        return f'{per} ranks share {n} GPU{"s" * (n > 1)} of a machine: the plan counts a GPU a rank, or a target and a drafter on one'
+    return plan(PlanConfig(target=cfg.target, gpus=1 if shared else cfg.world, gpu_mem_gb=gb, headroom=cfg.headroom, targets=t,
+                           mean_length=max(2, round(float(np.mean(lengths)))), max_length=max(2, int(np.max(lengths))),
+                           num_layers=cfg.num_layers, block_size=cfg.block_size, num_anchors=cfg.num_anchors, layer_ids=cfg.layer_ids,
+                           final_hidden=final_hidden, token_budget=cfg.token_budget, grad_ckpt=cfg.grad_ckpt, q_depth=cfg.q_depth,
+                           q_gb=cfg.q_gb, send_gb=cfg.send_gb, mask_mb=cfg.mask_mb))
+
 
 # %% ../nbs/plan.ipynb #eac62dc0
 def plan_cli(argv=None):

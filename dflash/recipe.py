@@ -100,7 +100,14 @@ class TrainConfig(Job):
     init_from: str | None = param(None, "a drafter checkpoint (ours or the published layout) to fine-tune; settings left unset come from it",
                                   where='local')
     num_anchors: int | None = param(None, 'anchors (blocks) per sequence per step; None: 512 (recipe), 16 (demo)', min=1)
-    token_budget: int | None = param(None, 'padded tokens per batch (targets and drafters); None: 16384 (recipe), 1024 (demo)', min=1)
+    token_budget: int | None = param(None, "padded tokens per batch (targets and drafters); None: the memory plan's on GPUs (the largest that "
+                                     "fits every rank, at most 16384), 16384 (recipe) on a CPU, 1024 (demo)", min=1)
+    grad_ckpt: bool | None = param(None, "recompute each drafter layer in the backward, keeping only its input: about a third more of the "
+                                   "layers' compute for most of their memory; None: on where the memory plan needs it to hold a whole sample")
+    gpus: int | None = param(None, "GPUs of each machine the memory plan counts (to plan for a GPU from a CPU); None: torch's count", min=1)
+    gpu_mem_gb: float | None = param(None, "memory of one GPU, GB, for the memory plan; None: the GPU's own (no plan on a CPU)", gt=0)
+    headroom: float = param(0.15, "fraction of each GPU's memory the memory plan keeps free (compiled kernels' workspace, fragmentation)",
+                            min=0, max=0.9)
     max_batch_size: int = param(64, 'samples per batch at most', min=1)
     max_length: int | None = param(None, 'tokens per sample when preparing a file; None: 3072 (recipe), 2048 (demo)', min=2)
     max_samples: int | None = param(None, 'train on the first N samples; None: all', min=1)

@@ -31,6 +31,7 @@ from .validate import check_best, check_best_by
 from .speedup import read_profile, profile_lengths, check_profile
 from .recipe import TrainConfig, SLIDING, FULL, layer_type_list, rank_device
 from .dist import batch_bytes
+from .plan import run_plan
 from .balance import auto_split
 from .checkpoint import latest_checkpoint, adopt_checkpoint, _resume_changes
 from .release import engine_runs
@@ -212,6 +213,34 @@ def _resumed(cfg, out):
     try: return ck, json.loads((ck / 'COMPLETE').read_text())
     except ValueError as e: raise ValueError(f'{ck / "COMPLETE"} does not read ({e}): move {ck} away to resume from the one before') from None
 
+# %% ../nbs/resolve.ipynb #bb722a40
+def _memory(cfg, ds, final):
+    """The run's memory plan on its GPUs (`run_plan`) for the samples it trains on: sets a real target's `token_budget` (the largest
+    every rank holds) and `grad_ckpt`, refuses a budget or a sample that does not fit; returns the figures `Run.memory` keeps."""
+    p = run_plan(cfg, np.asarray(ds.lengths[:len(ds) if cfg.max_samples is None else cfg.max_samples]), final)
+    if isinstance(p, str):
+        if cfg.grad_ckpt is None: cfg.set('grad_ckpt', False, f'no memory plan: {p}')
+        return dict(planned=False, why=p)
+    why = f"the memory plan ({p['gpu_gb']:g} GB GPUs, {cfg.headroom:.0%} kept free)"
+    if cfg.grad_ckpt is None: cfg.set('grad_ckpt', p['grad_ckpt'], why + (': a whole sample fits only so' if p['grad_ckpt'] else ''))
+    largest, tb = min(p['drafter_token_budget'], p['token_budget'] or p['drafter_token_budget']), p['token_budget']
+    ranks = (f"a drafter rank holds {p['drafter_token_budget']:,} tokens at most ({p['drafter_mb_per_1k_tokens']:,.0f} MiB of "
+             f"activations per 1K{', grad_ckpt' if cfg.grad_ckpt else ''})" + ('' if tb is None else f", a target rank {tb:,}"))
+    if tb == 0: raise ValueError(f"{why}: the target's {p['weights_gb']:.1f} GB of weights and its sends do not fit one GPU (tensor "
+                                 'parallelism is not supported): more GPU memory, or a smaller target')
+    if p['job']['max_length'] > largest:
+        raise ValueError(f"the longest training sample has {p['job']['max_length']:,} tokens, and a batch holds one whole: {why}: {ranks}: "
+                         'prepare the data with a lower max_length, or lower num_anchors' + ('' if cfg.grad_ckpt else ', or grad_ckpt=True'))
+    if str(cfg.origins.get('token_budget')).startswith('recipe'):
+        cfg.set('token_budget', p['run_token_budget'], f"{why}: the largest every rank holds, at most the recipe's {cfg.token_budget}")
+    elif cfg.token_budget > largest:
+        raise ValueError(f'token_budget={cfg.token_budget}: {why}: {ranks}: give token_budget <= {largest}, or leave it unset'
+                         + ('' if cfg.grad_ckpt else ', or grad_ckpt=True') + ', or lower num_anchors')
+    return dict(planned=True, gpus=p['job']['gpus'], gpu_gb=p['gpu_gb'], headroom=cfg.headroom, token_budget=cfg.token_budget,
+                largest=largest, grad_ckpt=cfg.grad_ckpt, target_rank_gb=p['target_rank_gb'], drafter_rank_gb=p['drafter_rank_gb'],
+                shared=p['job']['gpus'] == 1 and p['targets'] == 1)
+
+
 # %% ../nbs/resolve.ipynb #991c8614
 def data_token_ids(cfg):
     "The token ids of the run's training data: the tokenized dataset (online) or the extraction's `input_ids` (offline)."
@@ -287,6 +316,7 @@ class Run:
     engine_eval: bool = False         # the run ends with the engine check
     profile: dict | None = None       # the engine profile of the predicted speed-up (val_speedup)
     plan: dict = field(default_factory=dict)         # samples, total_steps, per_epoch, batches
+    memory: dict = field(default_factory=dict)       # the memory plan's figures (`_memory`): planned, each rank's peak, or why not
     data_sha256: str | None = None    # the training data's fingerprint
     resume: dict | None = None        # checkpoint, step, changed {setting: [old, new]}
 
@@ -314,6 +344,15 @@ class Run:
                 "the token budget)" + (f'; a target rank at most {c.send_gb:g} GiB in sends not yet received' if c.online else '') +
                 (f', a flex mask at most {c.mask_mb:g} MiB while it is built' if rank_device(c, 0).type == 'cuda' else ''))
 
+    def _memory_line(self):
+        "The line on each rank's planned peak of memory, or why there is no plan."
+        m = self.memory
+        if not m.get('planned'): return f"  memory: not planned ({m.get('why', 'a run from before the memory plan')})"
+        peaks = (f"a target and a drafter rank sharing a GPU {m['drafter_rank_gb']:.1f} GB" if m['shared'] else
+                 (f"a target rank {m['target_rank_gb']:.1f} GB, " if m['target_rank_gb'] is not None else '') + f"a drafter rank {m['drafter_rank_gb']:.1f} GB")
+        return (f"  memory (planned for GPUs of {m['gpu_gb']:g} GB, {m['headroom']:.0%} kept free): peaks of {peaks} at token_budget="
+                f"{m['token_budget']:,} (at most {m['largest']:,}){'; grad_ckpt: each drafter layer recomputed in the backward' if m['grad_ckpt'] else ''}")
+
     def describe(self):
         "The settings table the job prints as it starts: every setting and where it came from, then what was resolved from them."
         d, t, p = self.drafter, self.target, self.plan
@@ -326,7 +365,7 @@ class Run:
                  f"  plan: {p['total_steps']} optimizer steps over {p['samples']} samples" +
                  (f"; resumed from {self.resume['checkpoint']} (step {self.resume['step']})" if self.resume else ''),
                  f"  llama.cpp: {'not checked' if self.servable is None else '; '.join(self.servable) if self.servable else 'serves it'}" + ('; the run ends with its check' if self.engine_eval else ''),
-                 self._held()]
+                 self._held(), self._memory_line()]
         return self.config.announce() + '\nresolved:\n' + '\n'.join(lines)
 
 # %% ../nbs/resolve.ipynb #f4f07006
@@ -378,7 +417,10 @@ def resolve(cfg):
     if cfg.online: cfg.data = str(Path(prepared(cfg.data, cfg.target, out, cfg.max_length)).resolve())
     else: cfg.extracted = _place(cfg.extracted)
     ds = TokenizedDataset.load(cfg.data) if cfg.online else check_extraction(ExtractedDataset(cfg.extracted), cfg.target, cfg.layer_ids)
-    _check_data(cfg, ds); _target_distribution(cfg, ds); _check_queue(cfg, tcfg, ds)
+    _check_data(cfg, ds); _target_distribution(cfg, ds)
+    memory = _memory(cfg, ds, needs_target(cfg.loss_terms or dict(DESIGNS[cfg.arch].default_terms)) if cfg.online
+                     else bool(ds.manifest.get('final_hidden')))                # the token budget, before anything reads it
+    _check_queue(cfg, tcfg, ds)
     if earlier and not cfg.resume: print(f'the earlier run in {out} is now in {set_aside(out, RUN_FILES)}')
     if (why := {'val_data', 'target_weights'} & set(changed)) and (out / 'val').exists():
         print(f'resume: {", ".join(sorted(why))} changed; the extraction of the old split is now in {set_aside(out, ["val"])}')
@@ -397,7 +439,7 @@ def resolve(cfg):
                                hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, logit_transform=list(logit_transform(tcfg))),
               drafter=json.loads(drafter_for(cfg, tcfg, mask).to_json_string()), vocab=None if vocab is None else vocab.tolist(), vocab_coverage=coverage,
               loss_terms=terms, final_states=needs_target(terms), servable=servable, engine_eval=engine,
-              profile=read_profile(cfg.engine_profile) if cfg.engine_profile else None, plan=_plan_of(cfg, ds), data_sha256=sha,
+              profile=read_profile(cfg.engine_profile) if cfg.engine_profile else None, plan=_plan_of(cfg, ds), memory=memory, data_sha256=sha,
               resume=dict(checkpoint=str(ck), step=st.get('step'), changed={k: list(v) for k, v in changed.items()}) if st else None)
     write_json_atomic(out / 'run.json', run.to_dict())
     return run

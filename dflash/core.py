@@ -24,7 +24,8 @@ REGEN_DATA, HELDOUT_REGEN = DATA / 'sharegpt-train-regen.jsonl', DATA / 'sharegp
 RUNS = ROOT / 'runs'
 
 def cache_dir():
-    "Where converted models live (SmolLM2 as a model directory, GGUF files for llama.cpp, its converter): `$DFLASH_CACHE`, else `~/.cache/dflash`."
+    ("Where converted models live (SmolLM2 as a model directory, GGUF files for llama.cpp, its converter): "
+     "`$DFLASH_CACHE`, else `~/.cache/dflash`.")
     return Path(os.environ.get('DFLASH_CACHE') or Path.home() / '.cache' / 'dflash')
 
 # %% ../nbs/core.ipynb #7d5b1057
@@ -123,8 +124,8 @@ class Feeder:
 # %% ../nbs/core.ipynb #1aab3760
 @contextmanager
 def main_hidden(*fns):
-    """While processes spawned in this block start: the launching script (`__main__`'s file and module spec) hidden from them, so they do not
-    run it again; unless one of `fns` (what they will be handed) lives in the script, which they then need."""
+    """While processes spawned in this block start: the launching script (`__main__`'s file and module spec) hidden from them, so they do
+    not run it again; unless one of `fns` (what they will be handed) lives in the script, which they then need."""
     m = sys.modules.get('__main__')
     if m is None or any(getattr(f, '__module__', None) == '__main__' for f in fns): yield; return
     saved = {k: m.__dict__[k] for k in ('__file__', '__spec__') if k in m.__dict__}
@@ -142,18 +143,20 @@ def in_child(fn, *args, **kw):
         try:
             with main_hidden(fn): job = ex.submit(fn, *args, **kw)                 # the child starts here
             return job.result()
-        except BrokenProcessPool as e: raise RuntimeError(f'the process running {getattr(fn, "__name__", fn)} died (killed, or out of memory?)') from e
+        except BrokenProcessPool as e:
+            raise RuntimeError(f'the process running {getattr(fn, "__name__", fn)} died (killed, or out of memory?)') from e
 
 
 # %% ../nbs/core.ipynb #f0667faf
-STORE_SCHEMES = ('s3', 's3a', 'gs', 'gcs', 'az', 'abfs', 'abfss', 'file', 'memory')   # the stores fsspec speaks that dflash reads and writes
+STORE_SCHEMES = ('s3', 's3a', 'gs', 'gcs', 'az', 'abfs', 'abfss', 'file', 'memory')   # what dflash reads and writes (fsspec)
 _BUCKETS = ('s3', 's3a', 'gs', 'gcs')                                                 # a bucket first: 3 to 63 of a-z 0-9 . - _
 _URL = re.compile(r'([A-Za-z][A-Za-z0-9+.-]+):(/*)(.*)', re.S)
 
 def parse_url(p, name='location'):
-    """`p` (the setting `name`) as a location: None for a local path (a `Path`, or text without a scheme), else its store URL `scheme://rest`
-    without a trailing '/'. A `ValueError` naming the setting and the URL where it is no store: no bucket or path (`s3://`), a scheme dflash
-    does not read and write (`http://`: an S3-compatible server is `s3://bucket` with AWS_ENDPOINT_URL), or a URL whose '//' was lost."""
+    """`p` (the setting `name`) as a location: None for a local path (a `Path`, or text without a scheme), else its store URL
+    `scheme://rest` without a trailing '/'. A `ValueError` naming the setting and the URL where it is no store: no bucket or path (`s3://`),
+    a scheme dflash does not read and write (`http://`: an S3-compatible server is `s3://bucket` with AWS_ENDPOINT_URL), or a URL whose '//'
+    was lost."""
     if isinstance(p, Path): p = str(p)                      # a URL a Path was made of is caught too
     if not isinstance(p, str) or (m := _URL.fullmatch(p)) is None: return None
     scheme, slashes, rest = m[1].lower(), m[2], m[3]
@@ -188,7 +191,8 @@ def env_device():
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if d.type == 'cuda' and not n:
         raise bad(f'torch {torch.__version__} cannot use a GPU here' + (' (a CPU build)' if torch.version.cuda is None else ''))
-    if d.type == 'cuda' and d.index is not None and d.index >= n: raise bad(f'torch sees {n} GPU{"s" * (n > 1)} here (cuda:0 to cuda:{n - 1})')
+    if d.type == 'cuda' and d.index is not None and d.index >= n:
+        raise bad(f'torch sees {n} GPU{"s" * (n > 1)} here (cuda:0 to cuda:{n - 1})')
     if d.type not in ('cpu', 'cuda') and not (d.type == 'mps' and torch.backends.mps.is_available()):
         raise bad(f'jobs do not run on {d.type} here')
     return d
@@ -208,7 +212,8 @@ def target_param():
                        "('gemma-3-270m', 'smollm2-135m-instruct'); None: the embedded target", where='local')
 
 def data_param(needs=None):
-    "The `data` parameter of the jobs that read conversations: a file, or a dataset `prepare` made (`needs`: when a job reads it, see `param`)."
+    ("The `data` parameter of the jobs that read conversations: a file, or a dataset `prepare` made (`needs`: when a "
+     "job reads it, see `param`).")
     return param(None, 'ShareGPT JSON/JSONL file (tokenized once into out/dataset), or a prepared dataset directory; None: the embedded '
                        'train split', needs=needs, where='local')
 
@@ -238,7 +243,8 @@ def check_param(f, v):
     "`v` if it is a valid value of parameter `f` (a dataclass field), else a `ValueError` naming both and what is allowed."
     m, kinds = f.metadata, _kinds(f.type)
     if isinstance(v, Path) and str in kinds: v = str(v)
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and str in kinds and not {int, float} & set(kinds): v = str(v)   # papermill's -p 1
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and str in kinds and not {int, float} & set(kinds):
+        v = str(v)   # papermill's -p 1
     if isinstance(v, str) and list in kinds and str not in kinds:   # papermill's -p passes '[1, 9, 17]' as text
         try: v = [int(x) for x in v.replace(' ', '').strip('[]').split(',') if x]
         except ValueError: pass
@@ -326,8 +332,10 @@ class Job:
         "One line per setting: its value and where it came from (nothing when the user gave it), or that this run never reads it."
         w = max(len(f.name) for f in fields(self))
         unread = lambda f: f.metadata.get('needs') and not f.metadata['needs'][0](self)
-        return '\n'.join(f'  {f.name:<{w}} = {getattr(self, f.name)!r}' + (f'   (not read: only with {f.metadata["needs"][1]})' if unread(f) else
-                         '' if self.origins.get(f.name) == 'given' else f'   ({self.origins.get(f.name, "default")})') for f in fields(self))
+        return '\n'.join(f'  {f.name:<{w}} = {getattr(self, f.name)!r}' + (f'   (not read: only with {f.metadata["needs"][1]})' if unread(f)
+                                                                           else
+                         '' if self.origins.get(f.name) == 'given' else f'   ({self.origins.get(f.name, "default")})')
+                         for f in fields(self))
 
     def announce(self):
         "What a job prints as it starts: its settings, each with where it came from."
@@ -353,7 +361,8 @@ def claim_out(out, job):
         try: owner = json.loads(c.read_text()).get('job') or 'not a dflash job'
         except (json.JSONDecodeError, AttributeError): owner = 'not a dflash job'
     owner = owner or next((j for f, j in _OWNERS.items() if (out / f).exists()), None)
-    if owner and owner != name: raise ValueError(f'out: {out} holds the results of another job ({owner}); choose another out for this {name}')
+    if owner and owner != name:
+        raise ValueError(f'out: {out} holds the results of another job ({owner}); choose another out for this {name}')
     return out
 
 def first_free(make):
@@ -385,7 +394,8 @@ def _parse(f):
                 except ValueError:
                     if str not in kinds and not (k is int and float in kinds): raise
         return s
-    conv.__name__ = ' or '.join({int: 'integer', float: 'number', str: 'string', list: 'list of integers', type(None): 'None'}.get(k, k.__name__)
+    conv.__name__ = ' or '.join({int: 'integer', float: 'number', str: 'string', list: 'list of integers',
+                                 type(None): 'None'}.get(k, k.__name__)
                                 for k in kinds)   # argparse says "invalid integer value: 'four'"
     return conv
 

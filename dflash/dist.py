@@ -82,7 +82,8 @@ class Coord:
                     n = self.count(f'hb/{r}')
                     if n != seen[r][0]: seen[r] = (n, time.monotonic())
                     elif time.monotonic() - seen[r][1] > self.dead_after_s:
-                        return self.on_dead(f'{me}: {self.name(r)} stopped responding (no heartbeat for {self.dead_after_s:.0f} s: killed or crashed)')
+                        return self.on_dead(f'{me}: {self.name(r)} stopped responding (no heartbeat for '
+                                            f'{self.dead_after_s:.0f} s: killed or crashed)')
             except Exception as e:
                 if self._stop_thread.is_set(): return
                 return self.on_dead(f'{me}: lost the job store ({type(e).__name__}: {e}): the launcher or the store host died')
@@ -92,7 +93,8 @@ def peer_lost(e):
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, (ConnectionError, dist.DistError)) or any(w in str(e) for w in ('Connection reset', 'Connection closed', 'Broken pipe', 'gloo')): return True
+        if isinstance(e, (ConnectionError, dist.DistError)) or any(w in str(e) for w in ('Connection reset', 'Connection closed', 'Broken '
+                                                                                         'pipe', 'gloo')): return True
         e = e.__cause__ or e.__context__
     return False
 
@@ -130,7 +132,8 @@ class BlockingP2P:
 
     def rank(self, r):
         pg = type('P2PRank', (), {})()
-        pg.name, pg.send, pg.recv = (lambda: 'nccl-like'), (lambda ts, dst, tag=0: self._send(r, dst, ts[0])), (lambda ts, src, tag=0: self._recv(src, r, ts[0]))
+        pg.name = lambda: 'nccl-like'
+        pg.send, pg.recv = (lambda ts, dst, tag=0: self._send(r, dst, ts[0])), (lambda ts, src, tag=0: self._recv(src, r, ts[0]))
         return pg
 
     def _send(self, src, dst, t):
@@ -143,7 +146,8 @@ class BlockingP2P:
         def match():
             with self.cv:
                 if not self.cv.wait_for(lambda: self.posted.get((src, dst)), self.patience):
-                    raise TimeoutError(f'rank {dst} waited {self.patience:.0f} s on a receive from rank {src} that nobody sends (NCCL: forever)')
+                    raise TimeoutError(f'rank {dst} waited {self.patience:.0f} s on a receive from rank {src} that '
+                                       'nobody sends (NCCL: forever)')
                 data, sent = self.posted[(src, dst)].popleft()
             t.copy_(data); sent.set(); done.set()
         return _Work(done, match)
@@ -178,18 +182,20 @@ def send_batch(pg, hs_rows, input_ids, loss_mask, lengths, p, dst, final_rows=No
     return [pg.send([t], dst, 0) for t in ts], ts
 
 def recv_header(pg, src, device):
-    "The header of the next batch from rank `src`: `(p, b, S, n, F, dtype, Hf)` (micro index, batch size, length, rows, features, final features)."
+    ("The header of the next batch from rank `src`: `(p, b, S, n, F, dtype, Hf)` (micro index, batch size, length, "
+     "rows, features, final features).")
     head = torch.empty(HEADER, dtype=torch.long, device=wire_device(pg, device)); pg.recv([head], src, 0).wait()
     p, b, S, n, F, dt, Hf = head.tolist()
     return p, b, S, n, F, _WIRE_DTYPES[dt], Hf
 
 def batch_bytes(b, S, F, dtype, Hf=0):
-    "Bytes a received batch holds on the drafter's device: its hidden states (and final states) padded to [b, S, .], and its ids, loss mask and lengths."
+    ("Bytes a received batch holds on the drafter's device: its hidden states (and final states) padded to [b, S, .], and its "
+     "ids, loss mask and lengths.")
     return b * S * (F + Hf) * dtype.itemsize + 3 * b * S * 8
 
 def recv_batch(pg, src, device, header=None):
-    """Receive one batch from rank `src` of `pg` (the rest of it, after `header`): `(p, hidden_states [b, S, F], input_ids, loss_mask, lengths,
-    final_hidden)` on `device`, `final_hidden` `[b, S, H]` when the target sent its final states, else None."""
+    """Receive one batch from rank `src` of `pg` (the rest of it, after `header`): `(p, hidden_states [b, S, F], input_ids, loss_mask,
+    lengths, final_hidden)` on `device`, `final_hidden` `[b, S, H]` when the target sent its final states, else None."""
     w = wire_device(pg, device)
     p, b, S, n, F, dt, Hf = header or recv_header(pg, src, device)
     ints = torch.empty(3, b, S, dtype=torch.long, device=w); pg.recv([ints], src, 0).wait()
@@ -210,8 +216,9 @@ def link(t, d):
     return f'{t}>{d}'
 
 class HSSender:
-    """Target `t`'s end of the HS queue to drafter `d` (rank `dst`): at most `depth` batches sent and not yet consumed, and at most `max_bytes`
-    posted and not yet received (under NCCL a posted send's tensors stay on the target's GPU until the drafter receives them)."""
+    """Target `t`'s end of the HS queue to drafter `d` (rank `dst`): at most `depth` batches sent and not yet consumed, and at most
+    `max_bytes` posted and not yet received (under NCCL a posted send's tensors stay on the target's GPU until the drafter receives
+    them)."""
     def __init__(self, coord, t, dst, depth, pg, d=0, max_bytes=None):
         self.coord, self.t, self.dst, self.depth, self.pg, self.key = coord, t, dst, depth, pg, link(t, d)
         self.sent, self.wait_s, self.pending, self.max_bytes, self.peak = 0, 0.0, deque(), max_bytes, 0
@@ -262,7 +269,8 @@ class OnlineSource(Feeder):
             if head is None: return
             if head[0] != p: raise RuntimeError(f'drafter {self.d}: expected micro-batch {p} from {c.name(t)}, got {head[0]}')
             n = batch_bytes(head[1], head[2], head[4], head[5], head[6])
-            if not self.reserve(n, f'micro-batch {p} from {c.name(t)} ({head[1]} x {head[2]} tokens)', c.stopping): self.drop(t, head); break
+            if not self.reserve(n, f'micro-batch {p} from {c.name(t)} ({head[1]} x {head[2]} tokens)', c.stopping):
+                self.drop(t, head); break
             if (got := self._recv(recv_batch, t, head)) is None: return
             q, hs, ids, lm, lengths, fin = got
             self.got[t] += 1
@@ -284,7 +292,8 @@ class OnlineSource(Feeder):
         """On a stop: for each target, wait until it has said how many batches it sent (`HSSender.close`), then receive and drop those this
         rank did not take. Under NCCL a target cannot leave with a send nobody receives, nor this rank wait on a receive nobody sends."""
         if not self.coord.stopping(): return
-        self.end_stream()                           # the trainer saves now: a target that died never closes, and the watchdog ends this rank
+        self.end_stream()                           # the trainer saves now: a target that died
+                                                    # never closes, and the watchdog ends this rank
         for t in self.srcs:
             k = link(t, self.d)
             self.coord.wait_until(lambda: self.coord.flag(f'closed/{k}'))
@@ -313,7 +322,8 @@ class RankLogs(LogsSpecs):
         dest = LogsDest()
         for lr, env in envs.items():
             r = env['RANK']
-            dest.stdouts[lr], dest.stderrs[lr], dest.error_files[lr] = str(d / f'rank-{r}.out'), str(d / f'rank-{r}.err'), str(d / f'rank-{r}.error.json')
+            dest.stdouts[lr], dest.stderrs[lr], dest.error_files[lr] = (str(d / f'rank-{r}.out'), str(d / f'rank-{r}.err'),
+                                                                        str(d / f'rank-{r}.error.json'))
             env['TORCHELASTIC_ERROR_FILE'] = dest.error_files[lr]
             Path(dest.error_files[lr]).unlink(missing_ok=True)
         return dest
@@ -354,7 +364,8 @@ def _agent_quiet():
     "The agent's own logging at error level, and this process's signal handlers put back afterwards."
     loggers = [logging.getLogger(n) for n in ('torch.distributed.elastic', 'torch.distributed.launcher', 'torch.multiprocessing')]
     levels = [l.level for l in loggers]
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if threading.current_thread() is threading.main_thread() else {}
+    handlers = {s: signal.getsignal(s)
+                for s in (signal.SIGINT, signal.SIGTERM)} if threading.current_thread() is threading.main_thread() else {}
     for l in loggers: l.setLevel(logging.CRITICAL)
     try: yield
     finally:

@@ -18,7 +18,7 @@ from .taps import (text_config, load_target_config, target_name, target_revision
                          check_layer_ids, load_tokenizer, logit_transform, parse_dtype, dtype_name, gpu_count, launcher_child)
 from .data import TokenizedDataset, prepared
 from .batching import Plan
-from .shards import ExtractedDataset, check_extraction
+from .extracted import ExtractedDataset, check_extraction
 from .store import is_url
 from .extract import extract
 from .publish import mask_token_choice

@@ -269,11 +269,3 @@ def shard_sample_ids(out, m, store=None):
             ids.append(cached_tensors(store, s['file'], s['sha256'], INDEX)[0]['sample_ids']); continue
         with safe_open(Path(out) / s['file'], 'pt') as f: ids.append(f.get_tensor('sample_ids').numpy())
     return np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, np.int64)
-
-# %% ../nbs/shards.ipynb #f972bcfc
-def __getattr__(name):
-    "`ExtractedDataset` and `check_extraction`, from `dflash.extracted` (imported here when first asked for: it imports this module)."
-    if name in ('ExtractedDataset', 'check_extraction'):
-        from dflash import extracted
-        return getattr(extracted, name)
-    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -17,7 +17,7 @@ from .core import Job, run_cli, write_json_atomic, append_jsonl, cache_dir as df
 from .taps import capture, check_finite, pad_batch, text_config, peak_mem_bytes, load_target
 from .data import TokenizedDataset
 from .batching import Plan, sources, served
-from .shards import ExtractedDataset
+from .extracted import ExtractedDataset
 from .feed import OfflineSource
 from .evaluate import TauProbe
 from .dist import Coord, HSSender, OnlineSource, launch, peer_lost, store_from_env

@@ -76,7 +76,7 @@ def main():
     try:
         for m in methods:
             if m.startswith('server') and server is None:
-                from dflash.regenerate import LocalServer
+                from dflash.server import LocalServer
                 flags = (['--continuous-batching'] if full_attention(a.target) else []) if a.server_flags == 'auto' else a.server_flags.split()
                 server = LocalServer(a.target, *flags, env=env)
             cmd = [sys.executable, __file__, '--method', m, '--target', a.target, '--data', a.data, '--samples', str(a.samples),

@@ -4,11 +4,10 @@
 
 # %% auto #0
 __all__ = ['done_rows', 'cut_after', 'generate_replies', 'reply_text', 'settings_path', 'refused_path', 'track_dir',
-           'RegenerateConfig', 'check_done', 'check_settings', 'regenerate', 'ServerError', 'RequestRefused',
-           'call_server', 'chat_request', 'free_port', 'LocalServer', 'regenerate_cli']
+           'RegenerateConfig', 'check_done', 'check_settings', 'regenerate', 'chat_request', 'regenerate_cli']
 
 # %% ../nbs/regenerate.ipynb #c1462b83
-import http.client, json, os, queue, socket, subprocess, sys, tempfile, threading, time, urllib.error, urllib.request, weakref, zlib
+import json, os, queue, threading, time, zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from .gguf import by_name, CONTINUATION
 from .taps import load_target, load_tokenizer, load_target_config, target_name, target_revision, config_sha256
 from .data import DataError, check, load_conversations
 from .track import Trackers, check_trackers, report_to_param
+from .server import ServerError, RequestRefused, call_server
 
 # %% ../nbs/regenerate.ipynb #9c6bd9b7
 def done_rows(path):
@@ -295,20 +295,6 @@ def regenerate(*args, **kw):
     return out_jsonl
 
 # %% ../nbs/regenerate.ipynb #fb92b09f
-class ServerError(RuntimeError): "A server that did not answer, or answered with a server error: worth another try."
-class RequestRefused(RuntimeError): "A request the server refuses (HTTP 4xx): the same request would be refused again."
-
-def call_server(url, path, body=None, timeout=600.0):
-    "The JSON a server at `url` answers to GET `path`, or to a POST of `body` there; else `ServerError` or `RequestRefused`."
-    req = urllib.request.Request(url + path, None if body is None else json.dumps(body).encode(), {'Content-Type': 'application/json'})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r: return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        why = f'HTTP {e.code}: {e.read().decode(errors="replace")[:400]}'
-        if 400 <= e.code < 500 and e.code not in (408, 429): raise RequestRefused(f'{url}{path}: {why}') from None
-        raise ServerError(why) from None
-    except (OSError, http.client.HTTPException, ValueError) as e: raise ServerError(f'{type(e).__name__}: {e}') from None
-
 def chat_request(job, model, a):
     "The /v1/chat/completions request for conversation state `a`'s next turn (the API's defaults left out)."
     body = dict(model=model, messages=[dict(role=m['role'], content=m['content']) for m in a['messages'][:a['turns'][a['k']]]],
@@ -318,46 +304,6 @@ def chat_request(job, model, a):
     if job.top_k > 0: body['top_k'] = job.top_k   # vLLM's and SGLang's extension; transformers serve refuses it
     if kw := job.template_kwargs(): body['chat_template_kwargs'] = kw
     return body
-
-# %% ../nbs/regenerate.ipynb #8842994f
-def free_port():
-    "A TCP port free on this machine now."
-    with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
-
-class LocalServer:
-    "`transformers serve TARGET *flags` on a local port (default: a free one), started and answering: `url`, `stop()`, `kill()`."
-    def __init__(self, target, *flags, port=None, log=None, env=None, wait_s=300):
-        self.target, self.flags, self.port = str(target), list(flags), port or free_port()
-        self.url = f'http://127.0.0.1:{self.port}'
-        if log is None: fd, log = tempfile.mkstemp(prefix='transformers-serve-', suffix='.log'); os.close(fd)
-        cmd = [sys.executable, '-m', 'transformers.cli.transformers', 'serve', self.target, '--host', '127.0.0.1', '--port', str(self.port),
-               *self.flags]
-        with open(log, 'w') as f:
-            self.log, self.proc = Path(log), subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                                              env={'HF_HUB_DISABLE_UPDATE_CHECK': '1', **(env or os.environ)})
-        weakref.finalize(self, self.proc.kill)   # not left running by a failed test or a crashed notebook
-        t0 = time.monotonic()
-        while True:
-            try: call_server(self.url, '/health', timeout=2); break
-            except (ServerError, RequestRefused) as e:
-                if self.proc.poll() is not None or time.monotonic() - t0 > wait_s:
-                    self.stop()
-                    raise RuntimeError(f'transformers serve {self.target} did not start ({e}); its log '
-                                       f'{self.log}:\n{self.log.read_text()[-2000:]}') from None
-                time.sleep(0.2)
-
-    def kill(self):
-        "End the server at once (SIGKILL), as a crash would."
-        self.proc.kill(); self.proc.wait()
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try: self.proc.wait(10)
-            except subprocess.TimeoutExpired: self.kill()
-
-    def __enter__(self): return self
-    def __exit__(self, *exc): self.stop()
 
 # %% ../nbs/regenerate.ipynb #9a907dd9
 _BACKOFF_S = 1.0

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 from dflash.core import HELDOUT_DATA, TINY_TARGET
 from dflash.data import load_conversations
-from dflash.regenerate import LocalServer, RequestRefused, regenerate
+from dflash.regenerate import regenerate
+from dflash.server import LocalServer, RequestRefused
 
 pytestmark = pytest.mark.slow        # the second tier: `make test-all` (and CI) runs it, `make test` does not
 

@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['NEAR_TIE', 'STEADY', 'serving_problems', 'llamacpp_verbosity', 'Engine', 'compare', 'near_tie', 'costs',
-           'engine_check', 'tau_gap', 'profile_problems', 'engine_profile', 'EngineConfig', 'engine_job', 'engine_cli']
+           'engine_check', 'served_check', 'tau_gap', 'profile_problems', 'engine_profile', 'EngineConfig',
+           'engine_job', 'engine_cli']
 
 # %% ../nbs/engine.ipynb #02358aca
 import json, os, platform, re, sys, threading, time
@@ -22,8 +23,7 @@ from .extracted import ExtractedDataset
 from .store import manifest_at
 from .validate import heldout_acceptance
 from .llamacpp import LLAMACPP, TAPPED, TAP_HOW, needs_tap, tap_built, xllamacpp
-from .convert import checksum_file, gguf_problem, to_gguf
-
+from .convert import checksum_file, gguf_problem, drafter_outtype, to_gguf
 
 # %% ../nbs/engine.ipynb #4ac2ecef
 def serving_problems(target_config, layer_ids, arch='dflash', dflash2=None):
@@ -155,21 +155,30 @@ def compare(plain, spec):
 def near_tie(margin): return margin is not None and margin < NEAR_TIE
 
 # %% ../nbs/engine.ipynb #743fb5a8
-def _served_as(drafter, target):
-    """`(kind, n_max)`: how llama.cpp serves the drafter in `drafter` (its `architectures`), drafting block - 1 tokens a step; a drafter
-    for another target, or one it cannot serve on `target`, is refused here, naming the setting (the converter would fail after
-    loading both, llama.cpp would abort the process)."""
+def _kind(drafter):
+    "`(config, kind)` of the drafter in `drafter`: how llama.cpp drafts with it (its `architectures`); refused where it serves none."
     c = json.loads((Path(drafter) / 'config.json').read_text())
-    arch, d = ' '.join(c.get('architectures') or []), c.get('dflash_config') or {}
+    arch = ' '.join(c.get('architectures') or [])
     kind = 'dspark' if 'DSpark' in arch else 'dflash' if 'DFlash' in arch else None
     if kind is None:
         raise ValueError(f'{drafter}: a {arch or "model"} checkpoint, not a DFlash, DFlash2 or DSpark drafter llama.cpp serves')
-    tcfg = load_target_config(target)
-    check_inputs(drafter, target)                                    # a drafter for another target: refused at once, naming both
-    if bad := serving_problems(tcfg, d.get('target_layer_ids') or c.get('target_layer_ids'),
-                               'dflash2' if 'DFlash2' in arch else 'dflash', d):
+    return c, kind
+
+def _how_served(drafter, target_config):
+    """`(kind, n_max, target_config)`: how llama.cpp serves the drafter in `drafter` on a target of `target_config`, drafting block - 1
+    tokens a step; one it cannot serve there is refused, naming the setting (llama.cpp would abort the process)."""
+    c, kind = _kind(drafter)
+    d = c.get('dflash_config') or {}
+    if bad := serving_problems(target_config, d.get('target_layer_ids') or c.get('target_layer_ids'),
+                               'dflash2' if 'DFlash2' in ' '.join(c['architectures']) else 'dflash', d):
         raise ValueError(f'{drafter}: ' + '; '.join(bad))
-    return kind, int(c['block_size']) - (kind == 'dflash')
+    return kind, int(c['block_size']) - (kind == 'dflash'), target_config
+
+def _served_as(drafter, target):
+    """`_how_served` on `target`, its config read: a drafter for another target is refused at once, naming both (the converter would
+    fail after loading both)."""
+    _kind(drafter); check_inputs(drafter, target)
+    return _how_served(drafter, load_target_config(target))
 
 def costs(plain, spec, ids, runs, n_max):
     """What one speculative step costs in the engine, in ms: a plain decode and a speculative step (medians of `runs`, the
@@ -186,12 +195,23 @@ def engine_check(target, drafter, prompts, max_new_tokens=64, temperature=0.0, r
     tokens, the speed-up (median and spread of the plain and speculative runs of each prompt, paired, `reps` times over every prompt),
     tokens per second of each, the step's `costs` and, greedy, whether every output is the engine's plain one. `n_max`: tokens drafted a
     step (None: block - 1, what a DFlash drafter drafts); `outtype`: the target's GGUF type."""
-    kind, most = _served_as(drafter, target)
+    return _serve(target, drafter, _served_as(drafter, target), prompts, max_new_tokens, temperature, reps, threads, seed, progress, n_max,
+                  outtype)
+
+def served_check(target, drafter, target_config, prompts, max_new_tokens=64):
+    """`engine_check` at a run's end: of the drafter it saved for `target`, whose config (`target_config`) it holds, neither read nor
+    checked again; only whether llama.cpp serves it there."""
+    return _serve(target, drafter, _how_served(drafter, target_config), prompts, max_new_tokens)
+
+def _serve(target, drafter, how, prompts, max_new_tokens=64, temperature=0.0, reps=1, threads=None, seed=0, progress=False, n_max=None,
+           outtype='f16'):
+    "`engine_check`'s figures, the drafter served as `how` says (`_how_served`: kind, the most it drafts, the target's config)."
+    kind, most, tcfg = how
     if n_max is not None and not 1 <= n_max <= most:
         raise ValueError(f'n_max: {n_max} is not in 1..{most} (this drafter drafts at most {most})')
     n_max = n_max or most
-    tg, dg = to_gguf(target, outtype=outtype), to_gguf(drafter, target=target)      # the drafter's type: drafter_outtype
-    tapped = needs_tap(load_target_config(target))                    # a target only the patched build taps: both sides on it
+    tg, dg = to_gguf(target, outtype=outtype), to_gguf(drafter, target=target, outtype=drafter_outtype(tcfg))
+    tapped = needs_tap(tcfg)                                          # a target only the patched build taps: both sides on it
     plain, spec = Engine(tg, threads=threads, tapped=tapped), Engine(tg, dg, n_max=n_max, kind=kind, threads=threads, tapped=tapped)
     print(f'llama.cpp{" (the patched build)" if tapped else ""}: serving {tg} with the drafter {dg} ({kind}, {n_max} tokens a step)',
           flush=True)
@@ -256,7 +276,7 @@ def engine_profile(target, drafter, prompts, lengths=None, max_new_tokens=64, re
     the profile as `dflash.speedup` reads it (decode, verify by tokens, draft by drafted length: the step less its verify) and each
     length's `engine_check` (tau, the paired speed-up, tokens per second). The verifies are measured up to `tries` times until the
     parts add up (`profile_problems`); what still contradicts is the profile's `unstable`, and nothing predicts from it."""
-    kind, most = _served_as(drafter, target)
+    kind, most, _ = _served_as(drafter, target)
     lengths = sorted(set(lengths or range(1, most + 1)))
     if bad := [n for n in lengths if not 1 <= n <= most]:
         raise ValueError(f'lengths: {bad} not in 1..{most} (this drafter drafts at most {most})')
@@ -280,7 +300,6 @@ def engine_profile(target, drafter, prompts, lengths=None, max_new_tokens=64, re
                    target=str(target), drafter=str(drafter), kind=kind, decode_ms=decode, verify_ms=verify,
                    draft_ms={n: max(step[n] - verify[n + 1], 0.0) for n in lengths}, step_ms=step, unstable=unstable, time=time.time())
     return profile, checks
-
 
 # %% ../nbs/engine.ipynb #775a307f
 @dataclass

@@ -14,13 +14,12 @@ from .core import append_jsonl
 from .taps import target_name, text_config, load_target_config
 from .loss import GAMMA, parse_terms, needs_target, tree_loss_budget
 from .dspark import PAPER_CONFIDENCE
-from .designs import drafter_class, design_of
-from .extracted import ExtractedDataset
+from .designs import DESIGNS, drafter_class, design_of
 from .draft_vocab import label_coverage
 from .publish import save_drafter, model_card
 from .evaluate import TauProbe, NgramDrafter, tau_table
 from .validate import resolution
-from .engine import engine_check, LLAMACPP, llamacpp_verbosity
+from .engine import served_check, LLAMACPP, llamacpp_verbosity
 
 # %% ../nbs/release.ipynb #4df1b738
 def _chosen(cfg, trainer, validator, device):
@@ -56,6 +55,10 @@ def _resolution(b, last):
             "this figure: the two drafters accept alike on this split, and the lower held-out loss chose between them.")
 
 # %% ../nbs/release.ipynb #04da6699
+def _log(trainer, rec):
+    "A line of the run's `metrics.jsonl`, and of its trackers."
+    append_jsonl(trainer.out / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
+
 def _measure(cfg, trainer, probe, model, device, res):
     """The final measurement, logged to `metrics.jsonl` and the trackers, its figures added to `res`: tau beside the n-gram
     baseline on each `eval_data` file, greedy, and sampled too at `eval_temperature`. `(taus, sampled taus, what was measured)` for the
@@ -72,7 +75,7 @@ def _measure(cfg, trainer, probe, model, device, res):
     res.update(tau=t, tau_ngram=tn, lossless=lossless, tau_by_file={f: x['tau'] for f, x in r.items()}, **tree)
     rec = dict(step=res.get('best_step', trainer.step), tau=t, tau_ngram=tn, **tree, lossless=lossless, tau_eval_s=time.time() - t0,
                time=time.time(), final=True)
-    append_jsonl(Path(cfg.out) / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
+    _log(trainer, rec)
     results = {f: {'dflash': r[f], **({f'dflash tree {cfg.eval_tree_budget}': rt[f]} if rt else {}), 'ngram': rn[f]} for f in r}
     if cfg.eval_temperature > 0:                     # the same prompts sampled, as served at that temperature
         hot = TauProbe(cfg.target, cfg.eval_data, cfg.eval_prompts, cfg.eval_max_new_tokens, cfg.dtype, device, cfg.eval_temperature,
@@ -157,7 +160,10 @@ def _local(target):
 def _served(cfg, trainer, probe, path, res):
     """llama.cpp's reading of the published drafter in `path` on the final measurement's prompts, logged to `metrics.jsonl` and the
     trackers, its figures in `res`; `(the card's row, its sentence)`. A failure is said, not raised: the drafter is published."""
-    try: rows = {f: engine_check(_local(cfg.target), path, ps, cfg.eval_max_new_tokens) for f, (ps, _) in probe.sets.items()}
+    try:
+        target = _local(cfg.target)
+        rows = {f: served_check(target, path, probe.target.config, ps, cfg.eval_max_new_tokens)
+                for f, (ps, _) in probe.sets.items()}
     except Exception as e:
         res['engine_error'] = f'{type(e).__name__}: {str(e).strip()[:500]}'
         print(f"warning: llama.cpp did not serve the drafter: {res['engine_error']}", file=sys.stderr, flush=True)
@@ -166,7 +172,7 @@ def _served(cfg, trainer, probe, path, res):
     speed = float(np.median([r['speedup'] for r in rows.values()]))
     res.update(engine_tau=tau, engine_lossless=lossless, engine_speedup=speed, engine_tau_by_file={f: r['tau'] for f, r in rows.items()})
     rec = dict(step=res.get('best_step', trainer.step), engine_tau=tau, engine_lossless=lossless, engine_speedup=speed, time=time.time())
-    append_jsonl(Path(cfg.out) / 'metrics.jsonl', rec); trainer.trackers.log(rec, trainer.step)
+    _log(trainer, rec)
     print(f'llama.cpp: tau {tau:.2f} (its own counters), lossless {lossless}, speed-up {speed:.2f}x on this machine', flush=True)
     r0 = next(iter(rows.values()))
     return ({'the same drafter served by llama.cpp (its counters)': tau},
@@ -178,38 +184,42 @@ def _served(cfg, trainer, probe, path, res):
             f"server: `{r0['commands']['server']}`.")
 
 # %% ../nbs/release.ipynb #5171b815
-def _vocab_form(cfg, trainer, model, probe, res):
-    """With a training vocabulary (`train_vocab`), the drafter also served with it as a head of its own (`drafter-vocab/`,
-    `draft_vocab.ipynb`), where its design has that form: `(path, {row: its tau in our loop}, the card's sentence)`, its figures in `res`;
-    `(None, {}, '')` otherwise."""
-    served = design_of(model.config).served_vocab
-    if trainer.vocab is None or served is None: return None, {}, ''
-    vm, vocab = served.from_full(model, trainer.vocab), trainer.vocab.cpu()
-    path = save_drafter(vm, Path(cfg.out) / 'drafter-vocab', None if cfg.demo else torch.bfloat16)
+def _forms(cfg, trainer, model):
+    """Save the drafter's forms: the full one in `drafter/` (bf16 for a real target) and, with a training vocabulary (`train_vocab`)
+    where its design has that form, the one served with a head of its own in `drafter-vocab/` (`draft_vocab.ipynb`). `(path, served
+    drafter, its path)`; `(path, None, None)` without one."""
+    dtype, served = None if cfg.demo else torch.bfloat16, DESIGNS[cfg.arch].served_vocab
+    vm = served.from_full(model, trainer.vocab) if trainer.vocab is not None and served is not None else None
+    path = save_drafter(model, Path(cfg.out) / 'drafter', dtype)
+    return path, vm, vm and save_drafter(vm, Path(cfg.out) / 'drafter-vocab', dtype)
+
+def _vocab_said(cfg, trainer, model, vm, vpath, probe, validator, res):
+    """The served form measured in our loop, its figures in `res`: `({row: its tau}, the card's sentence)`."""
+    vocab = trainer.vocab.cpu()
     K, V = len(vocab), model.config.vocab_size
-    held = label_coverage(ExtractedDataset(cfg.val_extracted), vocab) if cfg.val_extracted else None
+    held = label_coverage(validator.xds, vocab) if validator is not None else None
     tau = probe(vm)[0] if cfg.final_eval else None
-    res.update(drafter_vocab=str(path), draft_vocab_size=K, vocab_coverage_heldout=held, tau_vocab=tau)
+    res.update(drafter_vocab=str(vpath), draft_vocab_size=K, vocab_coverage_heldout=held, tau_vocab=tau)
     said = (f' This is its form served with a vocabulary of its own: a head over the {K:,} most frequent labels of its training data (of '
             f"the target's {V:,} tokens; `draft_vocab_size`, `d2t`, `t2d`), {trainer.resolved.vocab_coverage:.2%} of the training labels"
             + (f' and {held:.2%} of the held-out ones' if held is not None else '') + '; a token outside it is never drafted. '
                                                                                       'The full form is `../drafter`.')
-    return path, ({f"{type(model).__name__.removesuffix('DraftModel')} drafter, its own vocabulary": tau} if tau is not None else {}), said
+    return ({f"{type(model).__name__.removesuffix('DraftModel')} drafter, its own vocabulary": tau} if tau is not None else {}), said
 
 def _publish(cfg, trainer, probe, device, validator=None, engine=False):
-    """Save the published drafter (bf16 for a real target), measure tau beside the n-gram baseline (and with `engine`, the run's
-    `engine_eval` as resolved, in llama.cpp), write its model card."""
+    """The end of a run, in order: choose the drafter, save its forms, measure them in our loop (tau beside the n-gram baseline), serve
+    them in llama.cpp (with `engine`, the run's `engine_eval` as resolved), write their model cards."""
     trainer.opt = None; torch.cuda.empty_cache() if device.type == 'cuda' else None   # room for the evaluation target
     model, chosen = _chosen(cfg, trainer, validator, device)
     if bad := [k for k, v in model.served_state_dict().items() if not torch.isfinite(v).all()]:
         raise FloatingPointError(f'the drafter to publish has non-finite weights ({", ".join(bad[:3])}): nothing is '
                                  f'saved in {cfg.out}/drafter')
-    path = save_drafter(model, Path(cfg.out) / 'drafter', None if cfg.demo else torch.bfloat16)
+    path, vm, vpath = _forms(cfg, trainer, model)
     res = dict(drafter=str(path))
     if validator is not None and validator.best:
         res.update(best_step=validator.best['step'], val_tau=validator.best['val_tau'], val_tau_se=validator.best['val_tau_se'])
     taus, sampled, measured = _measure(cfg, trainer, probe, model, device, res) if cfg.final_eval else ({}, None, '')
-    vpath, vtaus, vsaid = _vocab_form(cfg, trainer, model, probe, res)
+    vtaus, vsaid = _vocab_said(cfg, trainer, model, vm, vpath, probe, validator, res) if vm is not None else ({}, '')
     if engine:                                       # llama.cpp serves the form it reads fastest: its own vocabulary, where it has one
         row, said = _served(cfg, trainer, probe, vpath or path, res)
         if vpath: vtaus.update(row); vsaid += said

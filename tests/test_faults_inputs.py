@@ -336,7 +336,7 @@ def test_a_served_vocabulary_with_bad_maps_is_refused_naming_the_file(w, served,
 
 def test_a_served_vocabulary_is_checked_before_llamacpp_or_a_gguf_sees_it(w, served, tmp_path):
     "4: llama.cpp aborted the process (GGML_ASSERT) on a -1 or out-of-range d2t; add_gguf_head wrote the ids unchecked."
-    from dflash.draft_vocab import add_gguf_head
+    from dflash.convert import add_gguf_head
     p, ids, altered = served
     for q in (altered('past', d2t=_d2t(served, 3, 5000)), altered('minus', d2t=_d2t(served, 0, -1))):
         fails(engine_cli, '--drafter', q, '--target', w / 'A', '--out', tmp_path / 'e', msg='d2t maps draft id')

@@ -159,9 +159,10 @@ peers: setup peers-venvs
 chaos: setup
 	$(TEST_ENV) $(PY) tools/chaos.py --n $(or $(N),50)
 
-# The one GPU script: every GPU path of a run, each asserting its result under its own timeout (flex and its recompiles, a bf16
-# compiled step and Muon, extraction against a direct capture, the budget probe and an OOM, offline training with a resume, the online
-# queue's bytes, a stop, the lossless loop in bf16); it prints its estimate (~8 min on one H100 or H200), exits 1 on any wrong result,
-# and writes the table to runs/gpu-check/ for BENCHMARKS.md. `make test` runs its reduced form on the CPU.
+# The one GPU script: every GPU path of a run, each asserting its result under its own timeout, compiling not counted (flex and its
+# recompiles, a bf16 compiled step and Muon, extraction against a direct capture, the budget probe and an OOM, offline training with a
+# resume, the online queue's bytes, a stop, the lossless loop in bf16, the seeds' job at reduced depth against its memory plan); it
+# prints its estimate (~10 min on one H100 or H200; PART=1 ~6.3 min, PART=2 ~5.1: each fits a device call of 10 minutes), exits 1 on
+# any wrong result, and writes the table to runs/gpu-check/ for BENCHMARKS.md. `make test` runs its reduced form on the CPU.
 gpu-check: setup
-	$(PY) tools/gpu_check.py
+	$(PY) tools/gpu_check.py $(if $(PART),--part $(PART) --out runs/gpu-check-$(PART))

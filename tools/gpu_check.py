@@ -1,6 +1,7 @@
 """The one GPU script: every GPU path of a run, each asserting its result, each under its own timeout, with a table for BENCHMARKS.md.
 
     .venv/bin/python tools/gpu_check.py [--out runs/gpu-check]        on a machine with a GPU (`make gpu-check`)
+    .venv/bin/python tools/gpu_check.py --part 1 (then --part 2)        each within a device call of 10 minutes (`make gpu-check PART=1`)
     .venv/bin/python tools/gpu_check.py --cpu                           the same paths in a reduced form, on a CPU (`make test`)
 
 Checks (a wrong result fails the check; the script exits 1 if any failed):
@@ -13,22 +14,32 @@ Checks (a wrong result fails the check; the script exits 1 if any failed):
              samples; ours against the bare forward to the last tap and the naive recipe; `gpus=N` worker processes with 2+ GPUs.
 4. budget:   the 'auto' token-budget probe, then an out-of-memory forced by filling the GPU, which the split-and-retry survives.
 5. train:    offline training from the extraction with the held-out reading (finite loss, a held-out tau); a resume from its
-             middle checkpoint: the first step after it bit-exact, the rest within 1e-3, and the final drafter's weights.
+             middle checkpoint: the first step after it bit-exact where the kernels are deterministic (the CPU; a GPU with
+             torch.use_deterministic_algorithms), else within 1e-3 as the rest and the final drafter's weights are.
 6. online:   1 target + 1 drafter sharing the GPU (gloo through the host): the loss falls and the HS queue stays inside its byte
              bound; with 2+ GPUs, 2 + 2 ranks on NCCL with DDP.
 7. stop:     SIGTERM to the drafter rank of a running online job: every rank ends within seconds, with a checkpoint.
 8. lossless: the lossless loop with the embedded target in bf16 (near-ties allowed, `dflash.evaluate.near_ties`), and DDTree
              verification of 16 and 64 nodes on fp32 targets (a Qwen3 and the hybrid): outputs equal the target's own.
+9. seeds:    the seeds' job at reduced depth: the 27B hybrid config's widths (hidden 5120, its 248K-token head) with 4 layers of
+             random weights and a drafter of 2 layers, one target and one drafter rank sharing the GPU with the run's memory plan (its token budget, grad_ckpt),
+             trained online until a SIGTERM stops it with a checkpoint; each rank's measured peak against the plan's.
+Each check's timeout does not count the time this process spends compiling (dynamo's callbacks), which is printed apart; a check
+that ends, passes, fails or times out leaves no process of its own behind. The estimate is printed first, the total last.
 Writes OUT/gpu-check.json and OUT/gpu-check.md (the table).
 """
-import argparse, contextlib, json, os, platform, shutil, signal, subprocess, sys, tempfile, time, traceback
+import argparse, contextlib, json, os, platform, shutil, signal, subprocess, sys, tempfile, threading, time, traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_BF16 = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12}   # dense bf16 TFLOP/s, the spec sheets'
 # Seconds each check is expected to take on one H100 or H200 (compiles of flex and of the step included), and its timeout.
-ESTIMATE = dict(flex=60, step=120, extract=70, budget=40, train=50, online=45, stop=40, lossless=40)
+ESTIMATE = dict(flex=60, step=120, extract=70, budget=40, train=50, online=45, stop=40, lossless=40, seeds=150)
 TIMEOUT = {k: 2 * v for k, v in ESTIMATE.items()}
+# Two parts, each within one device call of 10 minutes with room (`make gpu-check PART=1`, then `PART=2`); extract runs first in
+# both, as the checks after it read its target and data.
+PARTS = {1: ['flex', 'step', 'extract', 'budget', 'train', 'lossless'], 2: ['extract', 'online', 'stop', 'seeds']}
+LIMIT = 540                                                    # seconds: a device call's 600, less the machine's start
 
 
 def peak(torch):
@@ -264,10 +275,11 @@ def check_train(a, torch, dev, tok, tmp):
     rel = max(abs(again[s] - loss[s]) / max(abs(loss[s]), 1e-9) for s in (4, 5, 6))
     w0, w1 = (load_file(tmp / d / 'checkpoints' / 'step-6' / 'model.safetensors') for d in ('off', 'res'))
     wrel = max(((w0[k].float() - w1[k].float()).abs().max() / w0[k].float().abs().max().clamp_min(1e-12)).item() for k in w0)
-    assert again[4] == loss[4], f'the first step after the resume differs: {again[4]} != {loss[4]}'
+    exact = dev.type == 'cpu' or torch.are_deterministic_algorithms_enabled()     # a GPU's atomics may reorder sums otherwise
+    if exact: assert again[4] == loss[4], f'the first step after the resume differs: {again[4]} != {loss[4]}'
     assert rel <= 1e-3 and wrel <= 1e-3, (rel, wrel)
     return dict(steps=r['step'], first_loss=loss[1], last_loss=loss[6], val_tau=val[-1]['val_tau'], resume_max_relative_loss_difference=rel,
-                resume_max_relative_weight_difference=wrel)
+                resume_max_relative_weight_difference=wrel, resume_first_step='bit-exact' if exact else 'within 1e-3 (kernels not deterministic)')
 
 
 def check_online(a, torch, dev, tok, tmp):
@@ -312,6 +324,53 @@ def check_stop(a, torch, dev, tok, tmp):
     return dict(stopped_at_step=res['step'], seconds_to_end=secs)
 
 
+def seeds_target(torch, tok, path):
+    """The seeds' target at reduced depth: the shipped 27B hybrid config's text model (hidden 5120, its 248,320-token head, gated
+    DeltaNet and full attention) with its first 4 layers, random weights in bf16, saved with the tokenizer at `path`."""
+    from transformers import AutoModelForCausalLM
+    from dflash.plan import HYBRID_27B_DEFAULT
+    from dflash.taps import load_target_config, text_config
+    tc = text_config(load_target_config(HYBRID_27B_DEFAULT))
+    tc.num_hidden_layers, tc.layer_types = 4, tc.layer_types[:4]
+    assert 'full_attention' in tc.layer_types and 'linear_attention' in tc.layer_types, tc.layer_types
+    torch.manual_seed(0)
+    with torch.device('cuda'): m = AutoModelForCausalLM.from_config(tc, dtype=torch.bfloat16)
+    m.save_pretrained(path); tok.save_pretrained(path)
+    return path
+
+
+def check_seeds(a, torch, dev, tok, tmp):
+    """The seeds' job at reduced depth, online, one target and one drafter rank sharing the GPU, every setting the recipe's and the
+    memory plan's (the CPU: the toy hybrid, a stated GPU of 24 GB); SIGTERM after its first steps; each rank's peak against the plan."""
+    from dflash.core import read_metrics
+    from dflash.checkpoint import latest_checkpoint
+    target = tmp / 'target' if a.cpu else seeds_target(torch, tok, tmp / 'seeds-target')
+    out = tmp / 'seeds'
+    kw = dict(target=str(target), data=str(tmp / 'data'), out=str(out), targets=1, drafters=1, layer_ids=[1, 2], mask_token_id=3,
+              servable=False, final_eval=False, progress=False, max_steps=100000, epochs=100.0, ckpt_every=0, val_data='none', log_every=1,
+              **(dict(gpus=1, gpu_mem_gb=24.0, num_layers=1, num_anchors=16) if a.cpu else dict(num_layers=2)))
+    code = f"from dflash.train import train; import json; print(json.dumps(train(**{kw!r})))"
+    p = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t0 = time.time()
+    while not [m for m in read_metrics(out) if 'loss' in m] and p.poll() is None and time.time() - t0 < TIMEOUT['seeds']: time.sleep(0.5)
+    assert p.poll() is None, p.stdout.read()[-2000:]
+    os.kill(int((out / 'logs' / 'rank-1.pid').read_text()), signal.SIGTERM)
+    text, _ = p.communicate(timeout=TIMEOUT['seeds'])
+    assert p.returncode == 0, text[-2000:]
+    res, run = json.loads(text.strip().splitlines()[-1]), json.loads((out / 'run.json').read_text())
+    mem, cfg, orig = run['memory'], run['config'], run['origins']
+    assert res['stopped'] == 'signal' and latest_checkpoint(out).name == f"step-{res['step']}", res
+    assert mem['planned'] and orig['token_budget'].startswith('the memory plan') and cfg['token_budget'] == mem['token_budget'], (mem, orig)
+    ms = [m for m in read_metrics(out) if 'loss' in m]
+    assert all(m['loss'] == m['loss'] for m in ms), 'a loss is not finite'
+    peak = sum(ms[-1].get('mem', {}).values())                         # both ranks' peaks: they share the GPU
+    r = dict(steps=res['step'], token_budget=cfg['token_budget'], grad_ckpt=cfg['grad_ckpt'], planned_gb=mem['drafter_rank_gb'])
+    if not a.cpu:
+        r['measured_gb'] = peak / 1e9; r['measured / planned'] = peak / 1e9 / mem['drafter_rank_gb']
+        assert peak / 1e9 <= (1 + cfg['headroom']) * mem['drafter_rank_gb'], r    # the plan may fall short by its headroom, no more
+    return r
+
+
 def check_lossless(a, torch, dev, tok):
     from transformers import AutoConfig, AutoModelForCausalLM
     from dflash.core import TINY_TARGET
@@ -342,20 +401,63 @@ def check_lossless(a, torch, dev, tok):
     return out
 
 
+class CompileClock:
+    "Seconds this process has spent compiling (dynamo and inductor, from dynamo's start and end callbacks), a compile under way included."
+    def __init__(self):
+        self.total, self.depth, self.since, self.lock = 0.0, 0, None, threading.Lock()
+        try:
+            from torch._dynamo.callback import on_compile_start, on_compile_end
+            on_compile_start(self._start); on_compile_end(self._end)
+        except ImportError: pass                                   # an older torch: compiles count against the timeout
+    def _start(self, *_):
+        with self.lock:
+            if self.depth == 0: self.since = time.time()
+            self.depth += 1
+    def _end(self, *_):
+        with self.lock:
+            self.depth = max(0, self.depth - 1)
+            if self.depth == 0 and self.since is not None: self.total += time.time() - self.since; self.since = None
+    def seconds(self):
+        with self.lock: return self.total + (time.time() - self.since if self.since is not None else 0.0)
+
+
+def _children():
+    "This process's descendants (psutil), or an empty list where psutil is missing."
+    try: import psutil
+    except ImportError: return []
+    return psutil.Process().children(recursive=True)
+
+
 @contextlib.contextmanager
-def deadline(seconds):
-    "Raise TimeoutError in this (the main) thread once `seconds` have passed."
-    def fire(*_): raise TimeoutError(f'over its timeout of {seconds} s')
-    old = signal.signal(signal.SIGALRM, fire); signal.alarm(int(seconds))
-    try: yield
-    finally: signal.alarm(0); signal.signal(signal.SIGALRM, old)
+def deadline(seconds, clock):
+    """Raise TimeoutError in this (the main) thread once `seconds` have passed, not counting compiling (`clock`): a watching thread
+    sends this process SIGUSR1; then, whatever happened, kill the processes the block started that are still there. Yields a dict that
+    gets `compile_s`."""
+    info, done, t0, c0 = {}, threading.Event(), time.time(), clock.seconds()
+    before = {p.pid for p in _children()}
+    def fire(*_): raise TimeoutError(f'over its timeout of {seconds} s (compiling not counted)')
+    def watch():
+        while not done.wait(0.5):
+            if time.time() - t0 - (clock.seconds() - c0) > seconds: os.kill(os.getpid(), signal.SIGUSR1); return
+    old = signal.signal(signal.SIGUSR1, fire)
+    threading.Thread(target=watch, daemon=True).start()
+    try: yield info
+    finally:
+        done.set(); signal.signal(signal.SIGUSR1, old); info['compile_s'] = round(clock.seconds() - c0, 1)
+        for p in _children():
+            if p.pid not in before:
+                try: p.kill()
+                except Exception: pass
 
 
 def table(report):
     "The report as a markdown table for BENCHMARKS.md."
-    md = [f"GPU check ({report['machine']['mode']}): {report['machine']}", '', '| check | status | seconds (est.) | figures |', '|---|---|---:|---|']
-    md += [f"| {k} | {v['status']} | {v['seconds']} ({ESTIMATE[k]}) | " + ', '.join(f'{x}: {y:.4g}' if isinstance(y, float) else f'{x}: {y}'
-           for x, y in v.items() if x not in ('status', 'seconds', 'traceback')) + ' |' for k, v in report['checks'].items()]
+    md = [f"GPU check ({report['machine']['mode']}): {report['machine']}", '', '| check | status | seconds (est.) | compiling s | figures |',
+          '|---|---|---:|---:|---|']
+    md += [f"| {k} | {v['status']} | {v['seconds']} ({ESTIMATE[k]}) | {v.get('compile_s', 0)} | " + ', '.join(
+           f'{x}: {y:.4g}' if isinstance(y, float) else f'{x}: {y}' for x, y in v.items() if x not in ('status', 'seconds', 'compile_s', 'traceback'))
+           + ' |' for k, v in report['checks'].items()]
+    md += ['', f"total {report['seconds']:.0f} s against an estimate of {report['estimate_s']} s (compiling {report['compile_s']:.0f} s of it)"]
     return '\n'.join(md) + '\n'
 
 
@@ -364,6 +466,9 @@ def main(argv=None):
     p.add_argument('--cpu', action='store_true', help='the reduced form, on the CPU')
     p.add_argument('--out', default=str(ROOT / 'runs' / 'gpu-check'))
     p.add_argument('--only', default=','.join(ESTIMATE))
+    p.add_argument('--part', type=int, choices=sorted(PARTS), help='one of the two parts, each within a device call (see PARTS)')
+    p.add_argument('--limit', type=float, default=None, help=f'refuse to start when the estimate is over this many seconds '
+                   f'(default: {LIMIT} with --part)')
     a = p.parse_args(argv)
     if a.cpu: os.environ['DFLASH_DEVICE'] = 'cpu'
     else: os.environ.pop('DFLASH_DEVICE', None)
@@ -373,29 +478,38 @@ def main(argv=None):
     from dflash.taps import environment
     if not a.cpu and not torch.cuda.is_available(): sys.exit('gpu_check: no GPU here; --cpu runs the reduced form')
     dev = torch.device('cpu' if a.cpu else 'cuda:0')
-    names = a.only.split(',')
+    names = list(PARTS[a.part]) if a.part else a.only.split(',')
     if bad := [n for n in names if n not in ESTIMATE]: sys.exit(f'gpu_check: no check {bad}; the checks: {", ".join(ESTIMATE)}')
     print(environment(), flush=True)
-    if not a.cpu: print(f'estimated {sum(ESTIMATE[n] for n in names) / 60:.1f} min on one H100 or H200 (per check: {ESTIMATE}; each times out at twice that)', flush=True)
+    scale = 3 if a.cpu else 1                                            # the CPU's reduced form: toy shapes on 2 cores
+    est = sum(ESTIMATE[n] for n in names)
+    limit = a.limit if a.limit is not None else LIMIT if a.part else None
+    if limit is not None and not a.cpu and est > limit:
+        sys.exit(f'gpu_check: the estimate of {est} s is over the limit of {limit:g} s: run it in parts (--part 1, then --part 2)')
+    print(f"estimated {est / 60:.1f} min {'for the GPU form ' if a.cpu else ''}on one H100 or H200 (per check: {ESTIMATE}; each times out "
+          f"at {2 * scale}x its estimate, compiling not counted)", flush=True)
     tok, tmp = AutoTokenizer.from_pretrained(TINY_TARGET), Path(tempfile.mkdtemp(prefix='gpu-check-'))
     checks = dict(flex=lambda: check_flex(a, torch, dev), step=lambda: check_step(a, torch, dev),
                   extract=lambda: check_extract(a, torch, dev, tok, tmp), budget=lambda: check_budget(a, torch, dev, tok, tmp),
                   train=lambda: check_train(a, torch, dev, tok, tmp), online=lambda: check_online(a, torch, dev, tok, tmp),
-                  stop=lambda: check_stop(a, torch, dev, tok, tmp), lossless=lambda: check_lossless(a, torch, dev, tok))
-    needs_target = {'budget', 'train', 'online', 'stop'}
+                  stop=lambda: check_stop(a, torch, dev, tok, tmp), lossless=lambda: check_lossless(a, torch, dev, tok),
+                  seeds=lambda: check_seeds(a, torch, dev, tok, tmp))
+    needs_target = {'budget', 'train', 'online', 'stop', 'seeds'}
     if needs_target & set(names) and 'extract' not in names: names.insert(0, 'extract')     # they read its target and data
     report = dict(machine=dict(gpu=torch.cuda.get_device_name() if not a.cpu else None, torch=torch.__version__, python=platform.python_version(),
-                               cpus=os.cpu_count(), mode='cpu (reduced)' if a.cpu else 'gpu'), checks={})
+                               cpus=os.cpu_count(), mode='cpu (reduced)' if a.cpu else 'gpu'), checks={}, estimate_s=est)
+    clock, t_all = CompileClock(), time.time()
     try:
         for name in names:
             t0 = time.time()
             try:
-                with deadline(TIMEOUT[name] * (3 if a.cpu else 1)): res = dict(status='passed', **checks[name]())
+                with deadline(TIMEOUT[name] * scale, clock) as info: res = dict(status='passed', **checks[name]())
             except Exception as e: res = dict(status='failed', error=f'{type(e).__name__}: {e}'[:500], traceback=traceback.format_exc()[-2000:])
-            res['seconds'] = round(time.time() - t0, 1)
+            res['seconds'], res['compile_s'] = round(time.time() - t0, 1), info.get('compile_s', 0.0)
             report['checks'][name] = res
             print(f"{name:8s} {res['status']:7s} {res['seconds']:6.1f}s  " + json.dumps({k: v for k, v in res.items() if k not in ('status', 'seconds', 'traceback')}, default=str), flush=True)
     finally: shutil.rmtree(tmp, ignore_errors=True)
+    report['seconds'], report['compile_s'] = time.time() - t_all, clock.seconds()
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
     (out / 'gpu-check.json').write_text(json.dumps(report, indent=1, default=str))
     (out / 'gpu-check.md').write_text(table(report))

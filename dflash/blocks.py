@@ -8,7 +8,7 @@ __all__ = ['FLEX_RECOMPILE_LIMIT', 'FLEX_BACKEND', 'MASK_LEDGER', 'MASK_BYTES_PE
            'flex_block_mask', 'mask_chunk']
 
 # %% ../nbs/blocks.ipynb #aabd55ea
-import math
+import contextlib, math
 import torch
 
 # %% ../nbs/blocks.ipynb #d00dbf91
@@ -28,13 +28,26 @@ def _flex(backend=None):
         _FLEX[key] = flex_attention if key is None else torch.compile(flex_attention, backend=key, dynamic=True)
     return _FLEX[key]
 
+@contextlib.contextmanager
+def _loud(compiled):
+    "A compiled flex past torch's recompile limit raises an error that names it, never runs unfused (the whole score matrix) unsaid."
+    if not compiled: yield; return
+    from torch._dynamo import config
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+    try:
+        with config.patch(fail_on_recompile_limit_hit=True): yield
+    except FailOnRecompileLimitHit as e:
+        raise RuntimeError(f"flex attention: one more compile would pass torch's recompile limit of {config.recompile_limit} graphs "
+                           "(FLEX_RECOMPILE_LIMIT), past which flex runs unfused and holds the whole score matrix: a shape, dtype or "
+                           "mask kind a run should not meet, or a limit to raise") from e
+
 def flex_attend(q, k, v, block_mask, scale, backend=None):
     """flex attention of `q` [b, h, Q, d] over `k`, `v` [b, kvh, K, d] under `block_mask`, in one dtype (autocast's where it is on, as SDPA
     takes them) and with autocast off: the compiled function meets one global state in training and in evaluation."""
     dev = q.device.type
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(torch.promote_types(q.dtype, k.dtype),
         v.dtype)
-    with torch.autocast(dev, enabled=False):
+    with torch.autocast(dev, enabled=False), _loud(bool(backend or FLEX_BACKEND or torch.cuda.is_available())):
         return _flex(backend)(q.to(dt), k.to(dt), v.to(dt), block_mask=block_mask, scale=scale, enable_gqa=True)
 
 def _has_flex():

@@ -64,10 +64,10 @@ def _served_vocab(config):
 
 def drafter_class(config):
     """The drafter class of a config or a checkpoint directory (`design_of`): its served form's when it has a draft vocabulary
-    (`draft_vocab_size`). A directory's vocabulary maps are checked first (`check_vocab_maps`): every job's load of a drafter comes here."""
+    (`draft_vocab_size`). A directory's vocabulary maps are checked before any load (`check_vocab_maps`): every job's load comes here."""
+    d, served = design_of(config), _served_vocab(config)
     if isinstance(config, (str, Path)): check_vocab_maps(config)
-    d = design_of(config)
-    if not _served_vocab(config): return d.model
+    if not served: return d.model
     if d.served_vocab is None:
         raise ValueError(f'draft_vocab_size: a {d.architecture} drafter has no served form with a vocabulary of its own (DFlash has)')
     return d.served_vocab

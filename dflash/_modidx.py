@@ -1124,4 +1124,10 @@ d = { 'settings': { 'branch': 'main',
                                'dflash.verify._tree_step': ('verify.html#_tree_step', 'dflash/verify.py'),
                                'dflash.verify.step_costs': ('verify.html#step_costs', 'dflash/verify.py'),
                                'dflash.verify.tree_verify_cost': ('verify.html#tree_verify_cost', 'dflash/verify.py'),
-                               'dflash.verify.verify_tree': ('verify.html#verify_tree', 'dflash/verify.py')}}}
+                               'dflash.verify.verify_tree': ('verify.html#verify_tree', 'dflash/verify.py')},
+            'dflash.xpress': { 'dflash.xpress.XPressHead': ('xpress.html#xpresshead', 'dflash/xpress.py'),
+                               'dflash.xpress.XPressHead.__init__': ('xpress.html#xpresshead.__init__', 'dflash/xpress.py'),
+                               'dflash.xpress.XPressHead.bias': ('xpress.html#xpresshead.bias', 'dflash/xpress.py'),
+                               'dflash.xpress.XPressHead.states': ('xpress.html#xpresshead.states', 'dflash/xpress.py'),
+                               'dflash.xpress.jacobi': ('xpress.html#jacobi', 'dflash/xpress.py'),
+                               'dflash.xpress.vllm_names': ('xpress.html#vllm_names', 'dflash/xpress.py')}}}

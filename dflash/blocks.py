@@ -31,7 +31,7 @@ def _flex(backend=None):
 @contextlib.contextmanager
 def _loud(compiled):
     "A compiled flex past torch's recompile limit raises an error that names it, never runs unfused (the whole score matrix) unsaid."
-    if not compiled: yield; return
+    if not compiled or torch.compiler.is_compiling(): yield; return      # inside a compiled drafter: its own graph, no break
     from torch._dynamo import config
     from torch._dynamo.exc import FailOnRecompileLimitHit
     try:

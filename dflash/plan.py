@@ -57,12 +57,15 @@ def layer_bytes_per_row(d):
     H, I, q, kv = d.hidden_size, d.intermediate_size, d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
     return 16 * H + 16 * q + 14 * kv + 8 * I
 
-def drafter_bytes_per_token(dconfig, mean_length, num_anchors=512, grad_ckpt=False):
+def drafter_bytes_per_token(dconfig, mean_length, num_anchors=512, grad_ckpt=False, densest=True):
     """Training activations of a drafter rank per token of a batch (flex attention: no scores held): the context's features and every
     layer's keys and values of it, and for each drafted slot every layer's `layer_bytes_per_row` and the head's rows (the final norm and
-    the gradient the loss keeps). `grad_ckpt`: a layer keeps only its input, and the backward recomputes one layer at a time."""
+    the gradient the loss keeps). `grad_ckpt`: a layer keeps only its input, and the backward recomputes one layer at a time.
+    `densest`: at the densest batch, of samples of `2 num_anchors` tokens or fewer (half of each labelled, every one an anchor), which
+    batching puts together, not at the mean (False: one sequence of `mean_length`)."""
     d = dconfig; H, B, n, kv = d.hidden_size, d.block_size, d.num_hidden_layers, d.num_key_value_heads * d.head_dim
-    slots = min(num_anchors, mean_length / 2) * B / mean_length                 # drafted slots per token of data
+    L = min(mean_length, 2 * num_anchors) if densest else mean_length
+    slots = min(num_anchors, L / 2) * B / L                                     # drafted slots per token of data
     ctx = 2 * len(d.target_layer_ids) * H + 10 * H + n * 14 * kv
     layers = n * 2 * H + layer_bytes_per_row(d) if grad_ckpt else n * layer_bytes_per_row(d)
     return ctx + slots * (layers + 10 * H)
@@ -300,9 +303,9 @@ def run_plan(cfg, lengths, final_hidden=False):
     """The memory plan of the run `cfg` (a `TrainConfig`, its target, drafter and queue settings) on its GPUs, for the `lengths` of the
     samples it trains on: `plan`'s dict, or a line saying why there is none. A rank a GPU, or one target and one drafter sharing one."""
     if (g := run_gpus(cfg)) is None: return 'its ranks run on a CPU (gpu_mem_gb plans for a GPU)'
-    (n, gb), per, t = g, cfg.world // cfg.nnodes, cfg.targets if cfg.online else 0
+    (n, gb), per, t = g, cfg.world // cfg.nnodes, (None if cfg.targets == 'auto' else cfg.targets) if cfg.online else 0
     shared = per > n
-    if shared and not (n == 1 and t == 1 and cfg.drafters == 1):
+    if shared and not (n == 1 and t in (1, None) and cfg.world == 2):
         return f'{per} ranks share {n} GPU{"s" * (n > 1)} of a machine: the plan counts a GPU a rank, or a target and a drafter on one'
     return plan(PlanConfig(target=cfg.target, gpus=1 if shared else cfg.world, gpu_mem_gb=gb, headroom=cfg.headroom, targets=t,
                            mean_length=max(2, round(float(np.mean(lengths)))), max_length=max(2, int(np.max(lengths))),
@@ -331,10 +334,11 @@ def fit_memory(cfg, lengths, final=False):
         raise ValueError(f"the longest training sample has {p['job']['max_length']:,} tokens, and a batch holds one whole: {why}: {ranks}: "
                          'prepare the data with a lower max_length, or lower num_anchors'
                          + ('' if cfg.grad_ckpt else ', or grad_ckpt=True'))
-    if str(cfg.origins.get('token_budget')).startswith('recipe'):
+    if str(cfg.origins.get('token_budget')).startswith('recipe') and not cfg.resume:     # a resume keeps its batches (below)
         cfg.set('token_budget', p['run_token_budget'], f"{why}: the largest every rank holds, at most the recipe's {cfg.token_budget}")
     elif cfg.token_budget > largest:
-        raise ValueError(f'token_budget={cfg.token_budget}: {why}: {ranks}: give token_budget <= {largest}, or leave it unset'
+        raise ValueError(f'token_budget={cfg.token_budget}: {why}: {ranks}: give token_budget <= {largest}'
+                         + (' with resume_changes=token_budget (a resume keeps its batches)' if cfg.resume else ', or leave it unset')
                          + ('' if cfg.grad_ckpt else ', or grad_ckpt=True') + ', or lower num_anchors')
     return dict(planned=True, gpus=p['job']['gpus'], gpu_gb=p['gpu_gb'], headroom=cfg.headroom, token_budget=cfg.token_budget,
                 largest=largest, grad_ckpt=cfg.grad_ckpt, target_rank_gb=p['target_rank_gb'], drafter_rank_gb=p['drafter_rank_gb'],

@@ -420,7 +420,8 @@ def resolve(cfg):
     ds = TokenizedDataset.load(cfg.data) if cfg.online else check_extraction(ExtractedDataset(cfg.extracted), cfg.target, cfg.layer_ids)
     _check_data(cfg, ds); _target_distribution(cfg, ds)
     final = needs_target(cfg.loss_terms or dict(DESIGNS[cfg.arch].default_terms)) if cfg.online else bool(ds.manifest.get('final_hidden'))
-    memory = fit_memory(cfg, np.asarray(ds.lengths[:cfg.max_samples or len(ds)]), final)   # the token budget, before anything reads it
+    lengths = np.asarray(ds.lengths[:cfg.max_samples or len(ds)])
+    memory = fit_memory(cfg, lengths, final)                          # the token budget, before anything reads it
     _check_queue(cfg, tcfg, ds)
     if earlier and not cfg.resume: print(f'the earlier run in {out} is now in {set_aside(out, RUN_FILES)}')
     if (why := {'val_data', 'target_weights'} & set(changed)) and (out / 'val').exists():
@@ -432,7 +433,7 @@ def resolve(cfg):
                               f"the loss scores those and each batch's own labels, drafting the whole head of {tc.vocab_size}", flush=True)
     if st and st.get('data_sha256') and st['data_sha256'] != sha:
         changed = _resume_changes(ck, st, cfg, sha)   # the data, now that it is read
-    if cfg.targets == 'auto': auto_split(cfg)
+    if cfg.targets == 'auto': auto_split(cfg); memory = fit_memory(cfg, lengths, final)   # the split measured: planned again
     cfg.warn_inert()                                                 # now that the run is resolved: what it will never read
     cfg.save(out / 'config.json')
     terms = parse_terms(cfg.loss_terms) if cfg.loss_terms else dict(DESIGNS[cfg.arch].default_terms)

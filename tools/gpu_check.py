@@ -24,7 +24,8 @@ Checks (a wrong result fails the check; the script exits 1 if any failed):
 9. seeds:    the seeds' job at reduced depth: the 27B hybrid config's widths (hidden 5120, its 248K-token head) with 4 layers of
              random weights and a drafter of 2 layers, one target and one drafter rank sharing the GPU with the run's memory plan (its token budget, grad_ckpt),
              trained online until a SIGTERM stops it with a checkpoint; each rank's measured peak against the plan's.
-Each check's timeout does not count the time this process spends compiling (dynamo's callbacks), which is printed apart; a check
+Each check's timeout does not count the time this process spends compiling (dynamo's callbacks; compiles in the ranks a check starts
+do count), which is printed apart; a check
 that ends, passes, fails or times out leaves no process of its own behind. The estimate is printed first, the total last.
 Writes OUT/gpu-check.json and OUT/gpu-check.md (the table).
 """
@@ -336,6 +337,7 @@ def seeds_target(torch, tok, path):
     torch.manual_seed(0)
     with torch.device('cuda'): m = AutoModelForCausalLM.from_config(tc, dtype=torch.bfloat16)
     m.save_pretrained(path); tok.save_pretrained(path)
+    del m; torch.cuda.empty_cache()                                    # the ranks plan for the whole GPU: free it
     return path
 
 
@@ -422,32 +424,50 @@ class CompileClock:
 
 
 def _children():
-    "This process's descendants (psutil), or an empty list where psutil is missing."
+    """This process's descendants (psutil), but inductor's compile workers, which torch keeps for the whole process (killed, the next
+    compile would wait on them for ever); an empty list where psutil is missing."""
     try: import psutil
     except ImportError: return []
-    return psutil.Process().children(recursive=True)
+    def ours(p):
+        try: return 'compile_worker' not in ' '.join(p.cmdline())
+        except Exception: return False
+    pool = {q.pid for p in psutil.Process().children() if not ours(p) for q in [p, *p.children(recursive=True)]}
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in pool]
+
+
+class Timeout(BaseException):
+    "A check over its timeout (a BaseException: no `except Exception` inside a check swallows it)."
+
+_ARMED = {}                                                     # the running check's message while its deadline is armed
+
+def _fire(*_):
+    if msg := _ARMED.get('msg'): raise Timeout(msg)
 
 
 @contextlib.contextmanager
 def deadline(seconds, clock):
-    """Raise TimeoutError in this (the main) thread once `seconds` have passed, not counting compiling (`clock`): a watching thread
-    sends this process SIGUSR1; then, whatever happened, kill the processes the block started that are still there. Yields a dict that
-    gets `compile_s`."""
+    """Raise `Timeout` in this (the main) thread once `seconds` have passed, not counting compiling in this process (`clock`): a
+    watching thread sends SIGUSR1 every second until the block ends, and the handler raises only while the block's deadline is armed
+    (a late signal does nothing). Then, whatever happened, the processes the block started are killed and waited for. Yields a dict
+    that gets `compile_s`."""
     info, done, t0, c0 = {}, threading.Event(), time.time(), clock.seconds()
     before = {p.pid for p in _children()}
-    def fire(*_): raise TimeoutError(f'over its timeout of {seconds} s (compiling not counted)')
+    if signal.getsignal(signal.SIGUSR1) is not _fire: signal.signal(signal.SIGUSR1, _fire)
     def watch():
         while not done.wait(0.5):
-            if time.time() - t0 - (clock.seconds() - c0) > seconds: os.kill(os.getpid(), signal.SIGUSR1); return
-    old = signal.signal(signal.SIGUSR1, fire)
+            if time.time() - t0 - (clock.seconds() - c0) > seconds: os.kill(os.getpid(), signal.SIGUSR1); done.wait(0.5)
+    _ARMED['msg'] = f'over its timeout of {seconds} s (compiling in this process not counted)'
     threading.Thread(target=watch, daemon=True).start()
     try: yield info
     finally:
-        done.set(); signal.signal(signal.SIGUSR1, old); info['compile_s'] = round(clock.seconds() - c0, 1)
-        for p in _children():
-            if p.pid not in before:
-                try: p.kill()
-                except Exception: pass
+        _ARMED.pop('msg', None); done.set(); info['compile_s'] = round(clock.seconds() - c0, 1)
+        left = [p for p in _children() if p.pid not in before]
+        for p in left:
+            try: p.kill()
+            except Exception: pass
+        if left:
+            import psutil
+            psutil.wait_procs(left, timeout=30)
 
 
 def table(report):
@@ -504,9 +524,12 @@ def main(argv=None):
             t0 = time.time()
             try:
                 with deadline(TIMEOUT[name] * scale, clock) as info: res = dict(status='passed', **checks[name]())
-            except Exception as e: res = dict(status='failed', error=f'{type(e).__name__}: {e}'[:500], traceback=traceback.format_exc()[-2000:])
+            except (Exception, Timeout) as e:
+                res = dict(status='failed', error=f'{type(e).__name__}: {e}'[:500], traceback=traceback.format_exc()[-2000:])
             res['seconds'], res['compile_s'] = round(time.time() - t0, 1), info.get('compile_s', 0.0)
             report['checks'][name] = res
+            out = Path(a.out); out.mkdir(parents=True, exist_ok=True)                 # what a killed run leaves: every check so far
+            (out / 'gpu-check.json').write_text(json.dumps(report, indent=1, default=str))
             print(f"{name:8s} {res['status']:7s} {res['seconds']:6.1f}s  " + json.dumps({k: v for k, v in res.items() if k not in ('status', 'seconds', 'traceback')}, default=str), flush=True)
     finally: shutil.rmtree(tmp, ignore_errors=True)
     report['seconds'], report['compile_s'] = time.time() - t_all, clock.seconds()

@@ -17,7 +17,8 @@ from .gguf import by_name
 from .taps import text_config, load_target, load_target_config, load_tokenizer
 from .dflash2 import DFLASH2
 from .designs import drafter_class
-from .evaluate import load_prompts, load_drafter, evaluate, check_inputs
+from .evaluate import load_prompts, load_drafter, evaluate
+from .inputs import check_inputs
 from .speedup import write_profile, predict, PROFILE_FILE
 from .extracted import ExtractedDataset
 from .store import manifest_at

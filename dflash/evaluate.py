@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['NEAR_TIE_ULPS', 'load_prompts', 'eos_ids', 'greedy_decode', 'sample_decode', 'ngram_propose', 'NgramDrafter',
-           'DFlashDrafter', 'finite_weights', 'load_drafter', 'check_inputs', 'spec_decode', 'greedy_reference',
-           'near_ties', 'evaluate_many', 'evaluate', 'plot_results', 'TauProbe', 'EvalConfig', 'tau_table',
-           'evaluate_job', 'evaluate_cli']
+           'DFlashDrafter', 'finite_weights', 'load_drafter', 'spec_decode', 'greedy_reference', 'near_ties',
+           'evaluate_many', 'evaluate', 'plot_results', 'TauProbe', 'EvalConfig', 'tau_table', 'evaluate_job',
+           'evaluate_cli']
 
 # %% ../nbs/evaluate.ipynb #f0d0c76d
 import warnings
@@ -24,7 +24,6 @@ from .data import BadRow, DataError, load_conversations, prompt_of
 from .model import DFlashDraftModel
 from .designs import drafter_class
 from .publish import check_drafter
-from .extracted import check_extraction
 from .cache import _ids, recurrent_mixers
 from .sampling import sampling_probs, Sampling, _draw, speculative_sample
 from .tree import grow_tree, tree_sample, check_tree_budget, read_tree_temperatures
@@ -148,19 +147,6 @@ def load_drafter(path, target):
         warnings.warn(f'{e}: only its trees need it', stacklevel=2); model.tree_temperatures_problem = str(e)
     model = model.to(device=target.device, dtype=target.dtype).attach_target(target).eval()
     return model.check_head(path) if hasattr(model, 'check_head') else model   # a vocabulary of its own: its head against the target's
-
-def check_inputs(drafter, target, extracted=None):
-    """The one check of every job that reads a drafter with a target, and an extraction: the drafter was trained for `target` (what its
-    config records: hidden size, vocabulary, taps, the target's config sha256), and `extracted` is complete, from that target (config,
-    tokenizer, weights) at the drafter's taps. Before anything loads; returns the `ExtractedDataset` (or None)."""
-    dc = drafter_class(drafter).config_class.from_pretrained(drafter)
-    try: check_drafter(dc, load_target_config(target), target)
-    except ValueError as e:
-        sha = f', target config sha256 {dc.target_config_sha256[:12]}' if dc.target_config_sha256 else ''
-        raise ValueError(f"{drafter} is a drafter for {dc.target_model or 'another target'} (hidden size {dc.hidden_size}, vocabulary "
-                         f"{dc.vocab_size}, taps {list(dc.target_layer_ids)}{sha}): {e}; use it with the target "
-                         "it was trained for") from None
-    return None if extracted is None else check_extraction(extracted, target, dc.target_layer_ids, complete=True)
 
 # %% ../nbs/evaluate.ipynb #edfc8dfc
 @torch.no_grad()

@@ -20,7 +20,8 @@ from .gguf import by_name
 from .taps import load_target
 from .tree import check_tree_budget, _tree_T_checked, read_tree_temperatures, write_tree_temperatures, TREE_T_FILE
 from .validate import heldout_forwards, catch_final_states, labelled_states, grow_block_trees, tree_reading
-from .evaluate import load_drafter, check_inputs
+from .evaluate import load_drafter
+from .inputs import check_inputs
 
 # %% ../nbs/treecal.ipynb #25a25f84
 @contextmanager

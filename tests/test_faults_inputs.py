@@ -1,5 +1,5 @@
 """Inputs that belong to another drafter, target or tap, and files tied to a drafter's weights: every job that reads an extraction,
-a profile or a temperatures file checks it as training does (`dflash.evaluate.check_inputs`, `check_extraction`), before anything runs."""
+a profile or a temperatures file checks it as training does (`dflash.inputs.check_inputs`, `check_extraction`), before anything runs."""
 import json, os, shutil, warnings
 import pytest, torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -8,7 +8,8 @@ from dflash.data import prepare_cli
 from dflash.extract import extract
 from dflash.engine import engine_cli
 from dflash.treecal import treecal_cli
-from dflash.evaluate import check_inputs, load_drafter, evaluate_cli
+from dflash.evaluate import load_drafter, evaluate_cli
+from dflash.inputs import check_inputs
 from dflash.shards import read_manifest
 from dflash.extracted import check_extraction
 from dflash.speedup import write_profile

@@ -6,7 +6,7 @@ import dflash
 PKG = Path(dflash.__file__).parent
 # lowest first: a module may import only modules before it (synth and tiny_target only make the embedded default; gguf makes the
 # real one, which the engine check serves by default)
-ORDER = ['core', 'gguf', 'track', 'taps', 'data', 'server', 'regenerate', 'batching', 'store', 'shards', 'extracted', 'mirror', 'feed', 'metrics', 'extract', 'blocks', 'draft_cache', 'loss', 'model', 'draft_vocab', 'dflash2', 'dspark', 'xpress', 'designs', 'tree', 'speedup', 'publish', 'validate',
+ORDER = ['core', 'gguf', 'track', 'taps', 'data', 'server', 'regenerate', 'batching', 'store', 'shards', 'extracted', 'mirror', 'feed', 'metrics', 'extract', 'blocks', 'draft_cache', 'loss', 'model', 'draft_vocab', 'dflash2', 'dspark', 'xpress', 'designs', 'tree', 'speedup', 'publish', 'inputs', 'validate',
          'cache', 'sampling', 'verify', 'evaluate', 'treecal', 'llamacpp', 'convert', 'engine', 'peers', 'dist', 'recipe', 'optim', 'balance', 'checkpoint', 'release', 'plan', 'resolve', 'trainer', 'train']
 SIDE = {'synth': [], 'tiny_target': ['synth']}
 

@@ -34,8 +34,8 @@ document.body.dataset.imagesOk=i.every(x=>x.complete&&x.naturalWidth>0)})</scrip
 ORDER = ('index', 'core', 'tiny_target', 'data', 'synth', 'server', 'regenerate', 'batching', 'taps', 'extract', 'shards', 'store',
          'mirror', 'extracted', 'feed', 'gguf', 'recipe', 'resolve', 'plan', 'dist', 'balance', 'train', 'trainer', 'optim',
          'checkpoint', 'track', 'metrics', 'blocks', 'loss', 'model', 'draft_cache', 'dflash2', 'dspark', 'xpress', 'designs',
-         'draft_vocab', 'validate', 'cache', 'verify', 'sampling', 'tree', 'evaluate', 'treecal', 'speedup', 'llamacpp', 'convert', 'engine',
-         'publish', 'release', 'peers')
+         'draft_vocab', 'validate', 'cache', 'verify', 'sampling', 'tree', 'inputs', 'evaluate', 'treecal', 'speedup', 'llamacpp',
+         'convert', 'engine', 'publish', 'release', 'peers')
 
 
 def pages(nbs=NBS):

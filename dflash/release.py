@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from .core import append_jsonl
 from .taps import target_name, text_config, load_target_config
-from .loss import GAMMA, parse_terms, needs_target, tree_loss_budget
+from .loss import GAMMA
 from .dspark import PAPER_CONFIDENCE
 from .designs import DESIGNS, drafter_class, design_of
 from .draft_vocab import label_coverage
@@ -110,18 +110,18 @@ def _terms_said(terms):
     said = ' + '.join(one(n, w) for n, w in terms.items())
     return said + ' (`--loss-terms ' + ','.join(n if w == 1 else f'{n}:{w:g}' for n, w in terms.items()) + '`)'
 
-def _loss_said(cfg, model):
-    """The card's sentence on the loss the run trained `model` with: the terms (`cfg.loss_terms`; None: its design's, e.g. DSpark's paper
-    mix), DFlash2's selector cross-entropy, DSpark's confidence BCE (with a confidence head), and the slots' weights (`cfg.loss`: decay,
-    D-PACE or a tree's)."""
-    design, B = design_of(model.config), model.block_size
-    terms = parse_terms(cfg.loss_terms) if cfg.loss_terms else dict(design.default_terms)
+def _loss_said(cfg, run, model):
+    """The card's sentence on the loss the run trained `model` with: the terms as the resolved `run` holds them (`run.loss_terms`: its
+    design's, e.g. DSpark's paper mix, where `cfg.loss_terms` names none), DFlash2's selector cross-entropy, DSpark's confidence BCE (with
+    a confidence head), and the slots' weights (`cfg.loss`, checked when the run was resolved: decay, D-PACE or a tree's)."""
+    design, B, terms = design_of(model.config), model.block_size, run.loss_terms
     extra = [cfg.arch == 'dflash2' and f"{cfg.selector_alpha:g} x the selector's cross-entropy",
              getattr(model, 'confidence_head', None) is not None and (f"{PAPER_CONFIDENCE:g} x the confidence head's BCE against " +
-             ('1 - TV' if needs_target(terms) else "the slot's hit (1 - TV where the target's final states came with the data)"))]
+             ('1 - TV' if run.final_states else "the slot's hit (1 - TV where the target's final states came with the data)"))]
     if cfg.loss == 'dpace': slots = f"D-PACE (alpha {cfg.dpace_alpha}: from the drafter's own confidence)"
-    elif n := tree_loss_budget(cfg.loss):
-        reach = ('the gradient of ' if cfg.loss.startswith('treegrad@') else '') + f"its DDTree tree's reach at {n} nodes"
+    elif cfg.loss != 'decay':                                               # 'tree@N' or 'treegrad@N'
+        head, _, n = cfg.loss.partition('@')
+        reach = ('the gradient of ' if head == 'treegrad' else '') + f"its DDTree tree's reach at {int(n)} nodes"
         slots = f"{reach} (alpha {cfg.dpace_alpha}: from the drafter's own probabilities)"
     else:
         k0, g = design.first_slot, design.decay_gamma(B) or GAMMA.get(B, 7.0)
@@ -129,7 +129,7 @@ def _loss_said(cfg, model):
     return f"Loss: {', plus '.join([_terms_said(terms), *filter(None, extra)])}; each slot weighted by {slots}."
 
 def _trained_how(cfg, trainer, chosen):
-    "The card's sentences on how the drafter was trained, its loss, and which step of the run it is (`chosen`)."
+    "The card's sentences on how the drafter was trained, its loss (as the run resolved it), and which step of the run it is (`chosen`)."
     data = f'the extraction `{cfg.extracted}` (offline)' if not cfg.online else f'`{cfg.data}` (online, {cfg.targets} target ranks)'
     start = f'Fine-tuned from the drafter `{cfg.init_from}`: ' if cfg.init_from else 'From random weights: '
     levers = ', '.join(filter(None, [cfg.arch == 'dflash2' and 'DFlash2', cfg.arch == 'dspark' and 'DSpark',
@@ -138,7 +138,7 @@ def _trained_how(cfg, trainer, chosen):
                                      cfg.precondition and 'preconditioned taps']))
     return start + (f'{trainer.step} optimizer steps, {trainer.tokens} tokens, on {data}, with dflash: {cfg.drafters} drafter ranks, '
                     f'lr {cfg.lr}, {cfg.num_anchors} anchors per sequence, token budget {cfg.token_budget}, seed {cfg.seed}, {levers}. '
-                    + _loss_said(cfg, trainer.model)) + chosen
+                    + _loss_said(cfg, trainer.resolved, trainer.model)) + chosen
 
 # %% ../nbs/release.ipynb #e8271f59
 def engine_runs(cfg, target_config):
@@ -214,6 +214,7 @@ def _publish(cfg, trainer, probe, device, validator=None, engine=False):
     if bad := [k for k, v in model.served_state_dict().items() if not torch.isfinite(v).all()]:
         raise FloatingPointError(f'the drafter to publish has non-finite weights ({", ".join(bad[:3])}): nothing is '
                                  f'saved in {cfg.out}/drafter')
+    how = _trained_how(cfg, trainer, chosen)                        # the resolved run's words: no file is read
     path, vm, vpath = _forms(cfg, trainer, model)
     res = dict(drafter=str(path))
     if validator is not None and validator.best:
@@ -224,7 +225,6 @@ def _publish(cfg, trainer, probe, device, validator=None, engine=False):
         row, said = _served(cfg, trainer, probe, vpath or path, res)
         if vpath: vtaus.update(row); vsaid += said
         else: taus.update(row); measured += said
-    how = _trained_how(cfg, trainer, chosen)
     model_card(path, how + (f' The same drafter served with a vocabulary of its own: `{vpath}`.' if vpath else ''), taus, measured,
                cfg.eval_temperature if sampled else None, sampled)
     if vpath: model_card(vpath, how + vsaid, {**taus, **vtaus}, measured, cfg.eval_temperature if sampled else None, sampled)

@@ -148,7 +148,7 @@ def run_drafter(run, coord, d, plan, ds, device, group, pg, stop):
     validator = (Validator(cfg.val_extracted, cfg.out, cfg.token_budget, cfg.val_anchors, cfg.val_samples, cfg.eval_max_new_tokens,
                            cfg.seed, step=trainer.step, remeasure=bool(set(trainer.changed) & set(VAL_KEYS)),
                            other_weights='target_weights' in trainer.changed,
-                           tree_budgets=[] if tree_budgets(cfg.val_tree_budgets) == 'none' else tree_budgets(cfg.val_tree_budgets),
+                           tree_budgets=[] if (tb := tree_budgets(cfg.val_tree_budgets)) == 'none' else tb,
                            best_by=cfg.best_by, profile=run.profile)
                  if d == 0 and cfg.val_extracted else None)
     def validate(trainer):

@@ -16,10 +16,14 @@ FLEX_RECOMPILE_LIMIT = 64
 FLEX_BACKEND = None                   # None: inductor on CUDA, eager (not compiled) on a CPU; the tests name 'eager' to count recompiles
 _FLEX = {}
 
+def _flex_key(backend=None):
+    "The backend flex is compiled with: `backend`, `FLEX_BACKEND`, inductor on CUDA; None: not compiled (a CPU)."
+    return backend or FLEX_BACKEND or ('inductor' if torch.cuda.is_available() else None)
+
 def _flex(backend=None):
     """`flex_attention`, compiled once per backend with dynamic shapes, or not compiled (on a CPU unless a `backend` is named).
     Compiling raises torch's recompile limit to `FLEX_RECOMPILE_LIMIT` (why: below)."""
-    key = backend or FLEX_BACKEND or ('inductor' if torch.cuda.is_available() else None)
+    key = _flex_key(backend)
     if key not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
         if key is not None:
@@ -47,7 +51,7 @@ def flex_attend(q, k, v, block_mask, scale, backend=None):
     dev = q.device.type
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(torch.promote_types(q.dtype, k.dtype),
         v.dtype)
-    with torch.autocast(dev, enabled=False), _loud(bool(backend or FLEX_BACKEND or torch.cuda.is_available())):
+    with torch.autocast(dev, enabled=False), _loud(_flex_key(backend) is not None):
         return _flex(backend)(q.to(dt), k.to(dt), v.to(dt), block_mask=block_mask, scale=scale, enable_gqa=True)
 
 def _has_flex():

@@ -213,9 +213,10 @@ def plan(*args, **kw):
     fixed = 16 * drafter + 2 * io + head_chunk_bytes(dcfg) + bufs['queue_bytes'] + bufs['mask_bytes']   # held in bytes by a setting each
     room = (1 - job.headroom) * job.gpu_mem_gb * gb
     tb, db, dact, ckpt = rank_budgets(job, room, weights + bufs['send_bytes'], act, fixed, dcfg, t)
-    run = min(job.token_budget, db, db if tb is None else tb)
+    shared, largest = job.gpus == 1 and t == 1, min(db, db if tb is None else tb)    # one GPU for both; the most every rank holds
+    run = min(job.token_budget, largest)
     tmem = weights + bufs['send_bytes'] + act * run if t else None
-    dmem = fixed + dact * run + (tmem if job.gpus == 1 and t == 1 else 0)
+    dmem = fixed + dact * run + (tmem if shared else 0)
     rows = len(ids) + job.final_hidden                                            # the final state: a row of its own
     # + id, mask (+ scales)
     disk = {k: rows * tc.hidden_size * b + 5 + (4 * (1 + job.final_hidden) if k == 'fp8' else 0) for k, b in STORE_BYTES.items()}
@@ -224,6 +225,7 @@ def plan(*args, **kw):
     return dict(target=str(job.target), params=total, vocab_size=tc.vocab_size, layer_ids=ids, weights_gb=weights / gb,
                 skippable_gb=2 * (sum(per_layer[max(reach) + 1:])) / gb, fits=run >= job.max_length, target_fits=tb is None or tb > 0,
                 activation_mb_per_1k_tokens=act * 1024 / 2**20, token_budget=tb, drafter_token_budget=db, run_token_budget=run,
+                largest=largest, shared=shared,
                 grad_ckpt=ckpt, target_rank_gb=None if tmem is None else tmem / gb, drafter_rank_gb=dmem / gb, gpu_gb=job.gpu_mem_gb,
                 drafter_params=drafter, disk_bytes_per_token=disk, disk_tb={k: v * job.dataset_tokens / 1e12 for k, v in disk.items()},
                 target_gflop_per_token=ft / 1e9, drafter_gflop_per_token=fd / 1e9, targets=t, drafters=dr,
@@ -265,7 +267,7 @@ def show_plan(p):
            "parallelism is not supported)")
     run = (f"the run: token_budget={p['run_token_budget']:,} (the largest that fits, at most {j['token_budget']:,}), planned peaks "
            + (f"target rank {p['target_rank_gb']:.1f} GB, " if p['target_rank_gb'] is not None and j['gpus'] > 1 else '')
-           + f"{'the shared GPU' if j['gpus'] == 1 and p['targets'] == 1 else 'drafter rank'} {p['drafter_rank_gb']:.1f} GB of "
+           + f"{'the shared GPU' if p['shared'] else 'drafter rank'} {p['drafter_rank_gb']:.1f} GB of "
            f"{j['gpu_mem_gb']:g} GB" + ('' if p['fits'] else f"; does NOT fit: a sample of max_length={j['max_length']:,} tokens needs a "
            "budget at least that (lower num_anchors or max_length, or more GPU memory)"))
     return '\n'.join([
@@ -285,8 +287,7 @@ def show_plan(p):
         f"a drafted row's FLOPs when served: the head is {100 * p['head_share']['full']:.0f}% of them over the target's "
         f"{p['vocab_size']:,} rows, {100 * p['head_share']['served']:.0f}% over a vocabulary of its own of "
         f"{min(j['draft_vocab'], p['vocab_size']):,} (train_vocab; draft_vocab.ipynb)",
-        (f"one GPU: one target rank and one drafter rank share it (targets=1, drafters=1), the budget counting both" if j['gpus'] == 1
-         and p['targets'] == 1 else
+        (f"one GPU: one target rank and one drafter rank share it (targets=1, drafters=1), the budget counting both" if p['shared'] else
          f"{j['gpus']} GPUs: every one a drafter rank (offline)" if p['targets'] == 0 else
          f"a starting split of {j['gpus']} GPUs: targets={p['targets']}, drafters={p['drafters']} (equal work per second on each side; "
          "refine with the dashboard)")])
@@ -325,7 +326,7 @@ def fit_memory(cfg, lengths, final=False):
         return dict(planned=False, why=p)
     why = f"the memory plan ({p['gpu_gb']:g} GB GPUs, {cfg.headroom:.0%} kept free)"
     if cfg.grad_ckpt is None: cfg.set('grad_ckpt', p['grad_ckpt'], why + (': a whole sample fits only so' if p['grad_ckpt'] else ''))
-    largest, tb = min(p['drafter_token_budget'], p['token_budget'] or p['drafter_token_budget']), p['token_budget']
+    largest, tb = p['largest'], p['token_budget']
     ranks = (f"a drafter rank holds {p['drafter_token_budget']:,} tokens at most ({p['drafter_mb_per_1k_tokens']:,.0f} MiB of "
              f"activations per 1K{', grad_ckpt' if cfg.grad_ckpt else ''})" + ('' if tb is None else f", a target rank {tb:,}"))
     if tb == 0: raise ValueError(f"{why}: the target's {p['weights_gb']:.1f} GB of weights and its sends do not fit one GPU (tensor "
@@ -342,7 +343,7 @@ def fit_memory(cfg, lengths, final=False):
                          + ('' if cfg.grad_ckpt else ', or grad_ckpt=True') + ', or lower num_anchors')
     return dict(planned=True, gpus=p['job']['gpus'], gpu_gb=p['gpu_gb'], headroom=cfg.headroom, token_budget=cfg.token_budget,
                 largest=largest, grad_ckpt=cfg.grad_ckpt, target_rank_gb=p['target_rank_gb'], drafter_rank_gb=p['drafter_rank_gb'],
-                shared=p['job']['gpus'] == 1 and p['targets'] == 1)
+                shared=p['shared'])
 
 
 # %% ../nbs/plan.ipynb #eac62dc0

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from .core import append_jsonl
 from .taps import target_name, text_config, load_target_config
-from .loss import GAMMA
+from .loss import GAMMA, tree_loss_budget
 from .dspark import PAPER_CONFIDENCE
 from .designs import DESIGNS, drafter_class, design_of
 from .draft_vocab import label_coverage
@@ -119,9 +119,8 @@ def _loss_said(cfg, run, model):
              getattr(model, 'confidence_head', None) is not None and (f"{PAPER_CONFIDENCE:g} x the confidence head's BCE against " +
              ('1 - TV' if run.final_states else "the slot's hit (1 - TV where the target's final states came with the data)"))]
     if cfg.loss == 'dpace': slots = f"D-PACE (alpha {cfg.dpace_alpha}: from the drafter's own confidence)"
-    elif cfg.loss != 'decay':                                               # 'tree@N' or 'treegrad@N'
-        head, _, n = cfg.loss.partition('@')
-        reach = ('the gradient of ' if head == 'treegrad' else '') + f"its DDTree tree's reach at {int(n)} nodes"
+    elif n := tree_loss_budget(cfg.loss):                                  # 'tree@N' or 'treegrad@N'
+        reach = ('the gradient of ' if cfg.loss.startswith('treegrad@') else '') + f"its DDTree tree's reach at {n} nodes"
         slots = f"{reach} (alpha {cfg.dpace_alpha}: from the drafter's own probabilities)"
     else:
         k0, g = design.first_slot, design.decay_gamma(B) or GAMMA.get(B, 7.0)

@@ -419,7 +419,8 @@ def resolve(cfg):
     else: cfg.extracted = _place(cfg.extracted)
     ds = TokenizedDataset.load(cfg.data) if cfg.online else check_extraction(ExtractedDataset(cfg.extracted), cfg.target, cfg.layer_ids)
     _check_data(cfg, ds); _target_distribution(cfg, ds)
-    final = needs_target(cfg.loss_terms or dict(DESIGNS[cfg.arch].default_terms)) if cfg.online else bool(ds.manifest.get('final_hidden'))
+    terms = parse_terms(cfg.loss_terms) if cfg.loss_terms else dict(DESIGNS[cfg.arch].default_terms)
+    final = needs_target(terms) if cfg.online else bool(ds.manifest.get('final_hidden'))      # the states a batch carries
     lengths = np.asarray(ds.lengths[:cfg.max_samples or len(ds)])
     memory = fit_memory(cfg, lengths, final)                          # the token budget, before anything reads it
     _check_queue(cfg, tcfg, ds)
@@ -436,7 +437,6 @@ def resolve(cfg):
     if cfg.targets == 'auto': auto_split(cfg); memory = fit_memory(cfg, lengths, final)   # the split measured: planned again
     cfg.warn_inert()                                                 # now that the run is resolved: what it will never read
     cfg.save(out / 'config.json')
-    terms = parse_terms(cfg.loss_terms) if cfg.loss_terms else dict(DESIGNS[cfg.arch].default_terms)
     run = Run(cfg, target=dict(name=cfg.target, revision=target_revision(cfg.target), config_sha256=config_sha256(tcfg),
                                weights_sha256=weights_sha256(cfg.target), num_hidden_layers=tc.num_hidden_layers,
                                hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, logit_transform=list(logit_transform(tcfg))),

@@ -175,9 +175,8 @@ def _optimizer_step(self, samples):
     self.step += 1                                   # a skipped step still used its data
     return ok
 
-Trainer._precondition, Trainer.micro_step, Trainer._forward_backward, Trainer.optimizer_step = (_precondition, _micro_step,
-    _forward_backward,
-                                                                                           _optimizer_step)
+Trainer._precondition, Trainer.micro_step, Trainer.optimizer_step = _precondition, _micro_step, _optimizer_step
+Trainer._forward_backward = _forward_backward
 
 # %% ../nbs/trainer.ipynb #c0d99e39
 def _log(self, meter, source, tstat_last):

@@ -518,7 +518,8 @@ def main(argv=None):
     if needs_target & set(names) and 'extract' not in names: names.insert(0, 'extract')     # they read its target and data
     report = dict(machine=dict(gpu=torch.cuda.get_device_name() if not a.cpu else None, torch=torch.__version__, python=platform.python_version(),
                                cpus=os.cpu_count(), mode='cpu (reduced)' if a.cpu else 'gpu'), checks={}, estimate_s=est)
-    clock, t_all = CompileClock(), time.time()
+    clock, t_all, out = CompileClock(), time.time(), Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     try:
         for name in names:
             t0 = time.time()
@@ -528,12 +529,10 @@ def main(argv=None):
                 res = dict(status='failed', error=f'{type(e).__name__}: {e}'[:500], traceback=traceback.format_exc()[-2000:])
             res['seconds'], res['compile_s'] = round(time.time() - t0, 1), info.get('compile_s', 0.0)
             report['checks'][name] = res
-            out = Path(a.out); out.mkdir(parents=True, exist_ok=True)                 # what a killed run leaves: every check so far
-            (out / 'gpu-check.json').write_text(json.dumps(report, indent=1, default=str))
+            (out / 'gpu-check.json').write_text(json.dumps(report, indent=1, default=str))   # what a killed run leaves: every check so far
             print(f"{name:8s} {res['status']:7s} {res['seconds']:6.1f}s  " + json.dumps({k: v for k, v in res.items() if k not in ('status', 'seconds', 'traceback')}, default=str), flush=True)
     finally: shutil.rmtree(tmp, ignore_errors=True)
     report['seconds'], report['compile_s'] = time.time() - t_all, clock.seconds()
-    out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
     (out / 'gpu-check.json').write_text(json.dumps(report, indent=1, default=str))
     (out / 'gpu-check.md').write_text(table(report))
     print(table(report))

@@ -180,7 +180,7 @@ def _from_dflash(cls, drafter, **settings):
         raise ValueError(f'{type(drafter).__name__} is not a DFlash drafter of this shape: unexpected '
                          f'{unexpected[:3]}, missing {missing[:3]}')
     if drafter.feature_scale is not None: model.feature_scale = drafter.feature_scale.clone()
-    if '_target_io' in drafter.__dict__: model.attach_target(embed_tokens=drafter._io()[0], lm_head=drafter._io()[1])
+    if '_target_io' in drafter.__dict__: model.attach_target(embed_tokens=drafter.target_io[0], lm_head=drafter.target_io[1])
     return model.train(drafter.training)
 
 DFlash2DraftModel.from_dflash = classmethod(_from_dflash)
@@ -197,7 +197,7 @@ def _propose_sampled(self, context_hidden, last_token, start_pos=None, cache=Non
     over each slot's candidates) scattered over the vocabulary: `(tokens [b, k], q [b, k, V])`."""
     path, cand, q = self.propose(context_hidden, last_token, start_pos, cache, warp.temperature, generator)
     k = path.shape[1] if k is None else k
-    return path[:, :k], q.new_zeros(q.shape[0], k, self._io()[1].weight.shape[0]).scatter_(2, cand[:, :k], q[:, :k])
+    return path[:, :k], q.new_zeros(q.shape[0], k, self.target_io[1].weight.shape[0]).scatter_(2, cand[:, :k], q[:, :k])
 
 @torch.no_grad()
 def _tree_children(self, context_hidden, last_token, start_pos=None, cache=None, budget=16, warp=None):

@@ -35,7 +35,7 @@ class DFlashVocabDraftModel(DFlashDraftModel):
     def attach_target(self, *a, **kw):
         ("As a DFlash drafter; its own head then computes in the target head's dtype, as the full form's logits are (the "
          "same rows, the same numbers).")
-        super().attach_target(*a, **kw); self.lm_head.to(self._io()[1].weight.dtype)
+        super().attach_target(*a, **kw); self.lm_head.to(self.target_io[1].weight.dtype)
         return self
 
     @property
@@ -62,7 +62,7 @@ class DFlashVocabDraftModel(DFlashDraftModel):
         """Its own head holds the target head's rows at `draft_ids`, as `from_full` makes it (to the rounding of its dtype): a `ValueError`
         naming `where` and the first row that does not (a permuted `d2t`, a head of other tokens), which would draft what it does not
         score."""
-        T = self._io()[1].weight
+        T = self.target_io[1].weight
         want, W = T[self.draft_ids.to(T.device)].float(), self.lm_head.weight.to(T.device).float()
         err = (W - want).norm(dim=1) / torch.maximum(want.norm(dim=1), W.norm(dim=1)).clamp_min(1e-12)
         if (bad := (err > 0.05).nonzero()[:, 0]).numel():
@@ -76,7 +76,7 @@ class DFlashVocabDraftModel(DFlashDraftModel):
     def from_full(cls, model, ids):
         """The served form of the DFlash drafter `model` (its target attached) over the target ids `ids`: the same weights (a feature scale
         folded into `fc`), the target head's rows of `ids` as its own head, the map both ways; attached to the same target."""
-        emb, head = model._io()
+        emb, head = model.target_io
         if getattr(head, 'bias', None) is not None:
             raise ValueError("the target's head has a bias: a served vocabulary takes its rows only")
         ids = torch.as_tensor(ids, dtype=torch.long).unique().cpu()

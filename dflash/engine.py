@@ -16,7 +16,6 @@ from .core import Job, param, run_cli, RUNS, DATA, cache_dir, claim_out, write_j
 from .gguf import by_name
 from .taps import text_config, load_target, load_target_config, load_tokenizer
 from .dflash2 import DFLASH2
-from .designs import drafter_class
 from .evaluate import load_prompts, load_drafter, evaluate
 from .inputs import check_inputs
 from .speedup import write_profile, predict, PROFILE_FILE

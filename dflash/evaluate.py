@@ -19,11 +19,11 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 from .core import TINY_TARGET, HELDOUT_DATA, RUNS, Job, param, target_param, out_param, run_cli, write_json_atomic, claim_out
 from .gguf import by_name
-from .taps import tap_layers, tapped, load_target, load_target_config, load_tokenizer, target_name
+from .taps import tap_layers, tapped, load_target, load_tokenizer, target_name
 from .data import BadRow, DataError, load_conversations, prompt_of
 from .model import DFlashDraftModel
-from .designs import drafter_class
-from .publish import check_drafter
+from .designs import saved_class
+from .inputs import check_inputs
 from .cache import _ids, recurrent_mixers
 from .sampling import sampling_probs, Sampling, _draw, speculative_sample
 from .tree import grow_tree, tree_sample, check_tree_budget, read_tree_temperatures
@@ -141,7 +141,7 @@ def finite_weights(path):
 def load_drafter(path, target):
     """The drafter saved in `path` (DFlash, DFlash2 or DSpark; its weights finite), with `target` attached, on its device and in its dtype;
     its trees at the temperatures of its `tree_temperatures.json` where it has one (`treecal.ipynb`)."""
-    model = drafter_class(finite_weights(path)).from_pretrained(path)
+    model = saved_class(finite_weights(path)).from_pretrained(path)
     try: model.tree_temperatures = read_tree_temperatures(path, model.draft_len)
     except ValueError as e:                                  # a broken file: chains never read it, a tree refuses (`tree_scale`)
         warnings.warn(f'{e}: only its trees need it', stacklevel=2); model.tree_temperatures_problem = str(e)
@@ -396,8 +396,7 @@ def evaluate_job(*args, **kw):
     out = claim_out(job.out, job)
     print(job.announce())
     if job.drafter:
-        finite_weights(job.drafter); dc = drafter_class(job.drafter).config_class.from_pretrained(job.drafter)
-        check_drafter(dc, load_target_config(job.target), job.target)
+        finite_weights(job.drafter); dc, _ = check_inputs(job.drafter, job.target)
         if job.confidence_threshold and not getattr(dc, 'enable_confidence_head', False):
             raise ValueError(f'confidence_threshold={job.confidence_threshold}: {job.drafter} is a {dc.architectures[0]} drafter without a '
                              "confidence head (DSpark's, enable_confidence_head): its 'scheduled' row would verify every "

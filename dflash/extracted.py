@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from .core import cache_dir, parse_url
+from .core import cache_dir
 from .store import Store, ShardCache, cached_tensors, is_url, own_folder, store_intact, MANIFEST
 from .taps import config_sha256, tokenizer_sha256, other_weights, load_target_config, load_tokenizer
 from .shards import INDEX, read_manifest, dequantize_fp8, _intact
@@ -24,8 +24,7 @@ class ExtractedDataset:
     """Samples of the extraction in `out` (a folder, or a store URL), by sample id: `ds[i]` = dict(hidden_states, input_ids, loss_mask,
     sample_id[, final_hidden]). From a store, shards come through a local cache of `cache_gb` GiB in the folder `cache`."""
     def __init__(self, out, dtype=None, require_complete=False, verify=False, cache=None, cache_gb=16.0):
-        url = parse_url(out)                                                 # None: a local folder
-        self.store = Store(url) if url else None
+        self.store = Store.at(out)                                          # None: a local folder
         self.out = self.store.url if self.store else Path(out)
         m = self.store.read_json(MANIFEST) if self.store else read_manifest(out)
         if m is None: raise FileNotFoundError(f'{self._where(MANIFEST)}: no manifest, run extract first')

@@ -7,20 +7,23 @@ __all__ = ['check_inputs']
 
 # %% ../nbs/inputs.ipynb #bb2cca7b
 from .taps import load_target_config
-from .designs import drafter_class
+from .designs import saved_class
 from .publish import check_drafter
 from .extracted import check_extraction
 
 # %% ../nbs/inputs.ipynb #5010033a
-def check_inputs(drafter, target, extracted=None):
-    """The one check of every job that reads a drafter with a target, and an extraction: the drafter was trained for `target` (what its
-    config records: hidden size, vocabulary, taps, the target's config sha256), and `extracted` is complete, from that target (config,
-    tokenizer, weights) at the drafter's taps. Before anything loads; returns the `ExtractedDataset` (or None)."""
-    dc = drafter_class(drafter).config_class.from_pretrained(drafter)
-    try: check_drafter(dc, load_target_config(target), target)
+def check_inputs(drafter, target, extracted=None, taps=None, complete=True):
+    """The one check of every job that reads a drafter with its target, or an extraction: the drafter (None: a run that trains one) was
+    trained for `target` (what its config records: hidden size, vocabulary, taps, the target's config sha256), and `extracted` is from
+    that target (config, tokenizer, weights), at the drafter's taps (or `taps`), whole where `complete`. Before anything loads; returns
+    `(the drafter's config or None, the ExtractedDataset or None)`, so a job reads what was checked."""
+    dc = drafter and saved_class(drafter).config_class.from_pretrained(drafter)
+    try: dc and check_drafter(dc, load_target_config(target), target)
     except ValueError as e:
         sha = f', target config sha256 {dc.target_config_sha256[:12]}' if dc.target_config_sha256 else ''
         raise ValueError(f"{drafter} is a drafter for {dc.target_model or 'another target'} (hidden size {dc.hidden_size}, vocabulary "
                          f"{dc.vocab_size}, taps {list(dc.target_layer_ids)}{sha}): {e}; use it with the target "
                          "it was trained for") from None
-    return None if extracted is None else check_extraction(extracted, target, dc.target_layer_ids, complete=True)
+    taps = dc.target_layer_ids if dc else taps
+    return dc, None if extracted is None else check_extraction(extracted, target, taps, complete=complete)
+

@@ -106,7 +106,7 @@ def _scored_head(drafter, labels, vocab=None):
     """`(W, b, labels, ids)`: the target's head as the loss scores it (read from the drafter, detached), and the labels as indices into
     its rows. With `vocab` (token ids, or `(ids, log_weight)`), only those rows and the labels' own (`ids`, sorted; else None), each
     sampled row's log weight added to its bias (a label's own row is itself, never a stand-in)."""
-    head = drafter._io()[1]
+    head = drafter.target_io[1]
     W, b, ids = head.weight.detach(), getattr(head, 'bias', None), None
     b = None if b is None else b.detach()
     if vocab is not None:

@@ -229,24 +229,24 @@ class DFlashDraftModel(PreTrainedModel):
         "Borrow the target's input embeddings and output head (frozen, not saved). Returns `self`."
         if target is not None: embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         if embed_tokens is None or lm_head is None: raise ValueError("attach_target needs a target, or embed_tokens and lm_head")
-        object.__setattr__(self, '_target_io', (embed_tokens, lm_head))  # plain attribute: not a submodule
-        return self
+        object.__setattr__(self, '_target_io', (embed_tokens, lm_head)); return self   # a plain attribute: not a submodule
 
-    def _io(self):
-        io = self.__dict__.get('_target_io')
-        if io is None: raise RuntimeError("no target attached: call drafter.attach_target(target) first")
+    @property
+    def target_io(self):
+        "`(embeddings, head)`: what the drafter borrows from its target (`attach_target`)."
+        if (io := self.__dict__.get('_target_io')) is None: raise RuntimeError('no target attached: call attach_target(target) first')
         return io
 
     def embed(self, ids):
         "Token ids -> the target's input embeddings (times `input_embedding_scale`, if set), in the drafter's dtype (no gradient)."
         s = float(_value(self.config, 'input_embedding_scale', 1.0))
         with torch.no_grad():
-            e = self._io()[0](ids).to(self.fc.weight.dtype)
+            e = self.target_io[0](ids).to(self.fc.weight.dtype)
             return e if s == 1 else e * s
 
     def logits(self, h):
         "Drafter states -> logits through the target's head (then `logit_transform`); gradient flows to `h`, never to the head."
-        head = self._io()[1]; b = getattr(head, 'bias', None)
+        head = self.target_io[1]; b = getattr(head, 'bias', None)
         return _softcap(F.linear(h.to(head.weight.dtype), head.weight.detach(), None if b is None else b.detach()), *self.logit_transform)
 
     def context(self, hidden_states):

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from .core import append_jsonl
 from .taps import target_name, text_config, load_target_config
-from .loss import GAMMA, tree_loss_budget
+from .loss import GAMMA
 from .dspark import PAPER_CONFIDENCE
-from .designs import DESIGNS, drafter_class, design_of
+from .designs import DESIGNS, saved_class, design_of
 from .draft_vocab import label_coverage
 from .publish import save_drafter, model_card
 from .evaluate import TauProbe, NgramDrafter, tau_table
@@ -27,8 +27,8 @@ def _chosen(cfg, trainer, validator, device):
      "copy), else the last step's.")
     if validator is None or validator.best is None: return trainer.model, ''
     b, last = validator.best, trainer.step
-    model = drafter_class(validator.dir).from_pretrained(validator.dir).to(device)
-    model.attach_target(embed_tokens=trainer.model._io()[0], lm_head=trainer.model._io()[1])
+    model = saved_class(validator.dir).from_pretrained(validator.dir).to(device)
+    model.attach_target(embed_tokens=trainer.model.target_io[0], lm_head=trainer.model.target_io[1])
     return model, (f" Published: the step-{b['step']} drafter, the best of the run by held-out acceptance (simulated tau "
                    f"{b['val_tau']:.3f} +- {b['val_tau_se']:.3f} on {b['val_sequences']} held-out conversations of the target's own replies"
                    + (f', {b["val_tau_walk"]:.3f} along the lossless loop\'s path' if b.get('val_tau_walk') else '') + '; '
@@ -119,7 +119,7 @@ def _loss_said(cfg, run, model):
              getattr(model, 'confidence_head', None) is not None and (f"{PAPER_CONFIDENCE:g} x the confidence head's BCE against " +
              ('1 - TV' if run.final_states else "the slot's hit (1 - TV where the target's final states came with the data)"))]
     if cfg.loss == 'dpace': slots = f"D-PACE (alpha {cfg.dpace_alpha}: from the drafter's own confidence)"
-    elif n := tree_loss_budget(cfg.loss):                                  # 'tree@N' or 'treegrad@N'
+    elif n := run.loss_tree_budget:                                        # 'tree@N' or 'treegrad@N'
         reach = ('the gradient of ' if cfg.loss.startswith('treegrad@') else '') + f"its DDTree tree's reach at {n} nodes"
         slots = f"{reach} (alpha {cfg.dpace_alpha}: from the drafter's own probabilities)"
     else:

@@ -4,8 +4,7 @@
 
 # %% auto #0
 __all__ = ['RUN_FILES', 'init_config', 'check_weights', 'resolve_init_from', 'is_hybrid', 'resolve_arch', 'resolve_layer_types',
-           'data_token_ids', 'resolve_mask_token', 'label_counts', 'frequent_labels', 'drafter_for', 'load_init', 'Run',
-           'resolve']
+           'data_token_ids', 'resolve_mask_token', 'label_counts', 'frequent_labels', 'drafter_for', 'Run', 'resolve']
 
 # %% ../nbs/resolve.ipynb #ac11ac69
 import json, time
@@ -18,17 +17,18 @@ from .taps import (text_config, load_target_config, target_name, target_revision
                          check_layer_ids, load_tokenizer, logit_transform, parse_dtype, dtype_name, gpu_count, launcher_child)
 from .data import TokenizedDataset, prepared
 from .batching import Plan
-from .extracted import ExtractedDataset, check_extraction
+from .extracted import ExtractedDataset
+from .inputs import check_inputs
 from .store import is_url
 from .extract import extract
 from .publish import mask_token_choice
 from .model import DFlashConfig
-from .designs import drafter_class, design_of, DESIGNS
-from .loss import parse_terms, needs_target
+from .designs import drafter_class, saved_class, design_of, DESIGNS
+from .loss import parse_terms, needs_target, tree_loss_budget
 from .evaluate import load_prompts
 from .engine import serving_problems
 from .validate import check_best, check_best_by
-from .speedup import read_profile, profile_lengths, check_profile
+from .speedup import read_profile, profile_lengths, check_profile, profile_sha256
 from .recipe import TrainConfig, SLIDING, FULL, layer_type_list, rank_device
 from .dist import batch_bytes
 from .plan import fit_memory
@@ -42,7 +42,7 @@ def init_config(path):
     p = Path(path)
     if not (p / 'config.json').is_file(): raise FileNotFoundError(f'init_from: {p} holds no config.json: not a drafter checkpoint')
     if not (p / 'model.safetensors').is_file(): raise FileNotFoundError(f'init_from: {p} holds no model.safetensors')
-    c = drafter_class(p).config_class.from_pretrained(p)
+    c = saved_class(p).config_class.from_pretrained(p)
     if not c.target_layer_ids: raise ValueError(f'init_from: {p}/config.json is not a DFlash drafter (no dflash_config.target_layer_ids)')
     if not design_of(c).warm_start or not {d.architecture for d in DESIGNS.values()} & set(c.architectures or []):
         raise ValueError(f'init_from: {p}/config.json is a {c.architectures} checkpoint: this warm-starts '
@@ -172,7 +172,7 @@ def _validation(cfg, out, ds):
         _not_training_data(cfg, ds)
     if cfg.val_extracted is not None:
         cfg.val_extracted = _place(cfg.val_extracted)
-        check_extraction(ExtractedDataset(cfg.val_extracted, require_complete=True), cfg.target, cfg.layer_ids)
+        check_inputs(None, cfg.target, cfg.val_extracted, cfg.layer_ids)          # whole, of this target, at the run's taps
 
 # %% ../nbs/resolve.ipynb #8b4682ec
 def _check_data(cfg, ds):
@@ -282,14 +282,6 @@ def drafter_for(cfg, tcfg, mask_token_id):
     if hasattr(c, 'num_anchors'): c.num_anchors = cfg.num_anchors      # a config that records its anchors (DSpark's, as DeepSpec's does)
     return c
 
-def load_init(model, path):
-    "Copy every tensor of the drafter saved in `path` into `model`; returns `model`."
-    src, info = drafter_class(path).from_pretrained(path, dtype=torch.float32, output_loading_info=True)
-    if info['missing_keys'] or info['unexpected_keys']:
-        raise ValueError(f"init_from: {path}: missing {info['missing_keys'][:3]}, unexpected {info['unexpected_keys'][:3]}")
-    model.load_state_dict(src.state_dict())
-    return model
-
 # %% ../nbs/resolve.ipynb #1344f57f
 @dataclass
 class Run:
@@ -306,6 +298,8 @@ class Run:
                                                           # (not refused: the demo); None: not checked
     engine_eval: bool = False         # the run ends with the engine check
     profile: dict | None = None       # the engine profile of the predicted speed-up (val_speedup)
+    profile_sha256: str | None = None # its costs' fingerprint (`speedup.profile_sha256`: a resume compares it)
+    loss_tree_budget: int | None = None   # N of the slot weights tree@N, treegrad@N (`loss`); None: decay, dpace
     plan: dict = field(default_factory=dict)         # samples, total_steps, per_epoch, batches
     memory: dict = field(default_factory=dict)       # the memory plan's figures (`fit_memory`): planned, each rank's peak, or why not
     data_sha256: str | None = None    # the training data's fingerprint
@@ -411,13 +405,13 @@ def resolve(cfg):
     to `out/run.json` (the settings with their origins to `out/config.json`)."""
     out = claim_out(Path(cfg.out).resolve(), cfg); cfg.out = str(out)
     tcfg, ck, st, changed, earlier = _settings(cfg, out)
-    if cfg.engine_profile:
-        profile_lengths(read_profile(cfg.engine_profile), cfg.block_size - DESIGNS[cfg.arch].first_slot)   # it predicts at a length drafted
+    prof = read_profile(cfg.engine_profile) if cfg.engine_profile else None
+    if prof: profile_lengths(prof, cfg.block_size - DESIGNS[cfg.arch].first_slot)   # it predicts at a length drafted
     servable, engine = _servable(cfg, tcfg), engine_runs(cfg, tcfg)   # llama.cpp's environment too, before anything is written
     out.mkdir(parents=True, exist_ok=True)
     if cfg.online: cfg.data = str(Path(prepared(cfg.data, cfg.target, out, cfg.max_length)).resolve())
     else: cfg.extracted = _place(cfg.extracted)
-    ds = TokenizedDataset.load(cfg.data) if cfg.online else check_extraction(ExtractedDataset(cfg.extracted), cfg.target, cfg.layer_ids)
+    ds = TokenizedDataset.load(cfg.data) if cfg.online else check_inputs(None, cfg.target, cfg.extracted, cfg.layer_ids, complete=False)[1]
     _check_data(cfg, ds); _target_distribution(cfg, ds)
     terms = parse_terms(cfg.loss_terms) if cfg.loss_terms else dict(DESIGNS[cfg.arch].default_terms)
     final = needs_target(terms) if cfg.online else bool(ds.manifest.get('final_hidden'))      # the states a batch carries
@@ -442,7 +436,8 @@ def resolve(cfg):
                                hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, logit_transform=list(logit_transform(tcfg))),
               drafter=json.loads(drafter_for(cfg, tcfg, mask).to_json_string()), vocab=None if vocab is None else vocab.tolist(),
               vocab_coverage=coverage, loss_terms=terms, final_states=needs_target(terms), servable=servable, engine_eval=engine,
-              profile=read_profile(cfg.engine_profile) if cfg.engine_profile else None, plan=_plan_of(cfg, ds), memory=memory,
+              profile=prof, profile_sha256=prof and profile_sha256(prof), loss_tree_budget=tree_loss_budget(cfg.loss),
+              plan=_plan_of(cfg, ds), memory=memory,
               data_sha256=sha, resume=dict(checkpoint=str(ck), step=st.get('step'), changed={k: list(v) for k, v in changed.items()}) if st
               else None)
     write_json_atomic(out / 'run.json', run.to_dict())

@@ -20,7 +20,7 @@ from .extracted import ExtractedDataset
 from .feed import collate
 from .core import write_json_atomic, first_free, append_jsonl
 from .dspark import sts_fit, survival_ece, sts_at_bound
-from .designs import drafter_class
+from .designs import saved_class
 from .blocks import sample_anchors, anchor_generator
 from .publish import save_drafter
 from .tree import grow_trees, check_tree_budget
@@ -380,8 +380,8 @@ class Validator:
 
     def _remeasure(self, model):
         "The kept best, measured again on this run's split and figures (a resume changed them); returns its figure before and after."
-        kept = drafter_class(self.dir).from_pretrained(self.dir).to(model.fc.weight.device)
-        kept.attach_target(embed_tokens=model._io()[0], lm_head=model._io()[1])
+        kept = saved_class(self.dir).from_pretrained(self.dir).to(model.fc.weight.device)
+        kept.attach_target(embed_tokens=model.target_io[0], lm_head=model.target_io[1])
         r = self.measure(kept)
         was = {k: self.best[k] for k in ('val_tau', 'val_tau_se', 'val_loss', 'val_tree_tau', 'val_tree_tau_se', 'val_speedup',
                                          'val_speedup_se') if k in self.best}

@@ -52,7 +52,7 @@ def w(tmp_path_factory, make_target, save_target, tok):
 # --- one check for every job: the drafter's target, the extraction's target (config, tokenizer, weights) and taps, whole --------
 
 def test_check_inputs_names_what_does_not_belong(w):
-    assert check_inputs(w / 'ck', w / 'A', w / 'xA').layer_ids == [1, 2]
+    assert check_inputs(w / 'ck', w / 'A', w / 'xA')[1].layer_ids == [1, 2]
     with pytest.raises(ValueError, match=r'is a drafter for .*hidden size 64.*use it with the target it was trained for'): check_inputs(w / 'ck', w / 'B')
     with pytest.raises(ValueError, match=r'whose config differs from the target'): check_inputs(w / 'ck', w / 'A', w / 'xB')
     with pytest.raises(ValueError, match=r'the drafter reads the taps \[1, 2\]; the extraction .*xA13 holds the taps \[1, 3\]'): check_inputs(w / 'ck', w / 'A', w / 'xA13')

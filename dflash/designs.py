@@ -14,6 +14,7 @@ from .model import DFlashConfig, DFlashDraftModel, drafter_config
 from .draft_vocab import DFlashVocabDraftModel, check_vocab_maps
 from .dflash2 import DFlash2DraftModel, as_dflash2
 from .dspark import DSparkDraftModel, dspark_config, PAPER, PAPER_GAMMA
+from .xpress import XPressDraftModel, xpress_config, XPRESS
 
 # %% ../nbs/designs.ipynb #2a4aac56
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class Design:
     decay_gamma: Callable = lambda B: None        # the gamma of its slot decay at block B (None: the loss's own, by block)
     first_slot: int = 1                           # the index its slot decay counts from
     served_vocab: type | None = None              # its class served with a head of its own over a draft vocabulary (None: it has none)
+    trees: bool = True                            # does it draft DDTree trees (else one chain)?
+    settings: tuple = ()                          # the run's settings its `make_config` takes by name
 
 def _dflash2_defaults(hybrid, demo, num_layers):
     why = 'recipe: the published Qwen3.8-27B DFlash2 drafter'
@@ -42,11 +45,19 @@ def _dspark_defaults(hybrid, demo, num_layers):
     return dict(block_size=(7, "DSpark: the paper's block of 7"), loss=('decay', "DSpark: the paper's slot decay (gamma 4)"),
                 loss_terms=(','.join(f'{k}:{v}' for k, v in PAPER.items()), "DSpark: the paper's loss"))
 
+def _xpress_defaults(hybrid, demo, num_layers):
+    why = 'XPress drafts one chain (its refiner reads every token before a slot)'
+    serve = 'llama.cpp has no XPress drafter (vLLM 0.34 serves it)'
+    return dict(val_tree_budgets=('none', why), eval_tree_budget=(0, why), loss=('decay', "XPress: speculators' slot decay (gamma 4)"),
+                servable=(False, serve), engine_eval=(False, serve))
+
 DESIGNS = {d.name: d for d in (
     Design('dflash', 'DFlashDraftModel', DFlashDraftModel, drafter_config, served_vocab=DFlashVocabDraftModel),
     Design('dflash2', 'DFlash2DraftModel', DFlash2DraftModel, drafter_config, start=as_dflash2, defaults=_dflash2_defaults),
     Design('dspark', 'Qwen3DSparkModel', DSparkDraftModel, dspark_config, warm_start=False, default_terms=dict(PAPER),
-           defaults=_dspark_defaults, decay_gamma=lambda B: PAPER_GAMMA, first_slot=0))}
+           defaults=_dspark_defaults, decay_gamma=lambda B: PAPER_GAMMA, first_slot=0),
+    Design('xpress', 'Qwen3XPressModel', XPressDraftModel, xpress_config, default_terms={'ce': 0.1, 'tv': 0.9}, defaults=_xpress_defaults,
+           decay_gamma=lambda B: XPRESS['gamma'], trees=False, settings=('xpress_rank',)))}
 
 # %% ../nbs/designs.ipynb #6f89f2d4
 def design_of(config):

@@ -188,7 +188,7 @@ class DFlashDraftModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ['DFlashDecoderLayer']
     _supports_sdpa = True
-    _architecture, layer_class, _selector_k = 'DFlashDraftModel', DFlashDecoderLayer, 0   # what a subclass changes
+    _architecture, layer_class, _selector_k, all_slots = 'DFlashDraftModel', DFlashDecoderLayer, 0, False   # what a subclass changes
     mask_bytes = MASK_BYTES      # the most one flex mask may take to build (`mask_chunk`); a run sets its `mask_mb`
 
     def __init__(self, config):
@@ -286,7 +286,7 @@ def _block_states(self, hidden_states, input_ids, loss_mask, anchors=None, ancho
     rope, ctx_rope = self.rotary_emb(h, pos), self.rotary_emb(ctx, torch.arange(S, device=dev).expand(b, S))
     for layer, m in zip(self.layers, self.config.layer_masks):
         h = layer(h, rope, *layer.self_attn.kv(ctx, ctx_rope), masks[m])
-    h = self.norm(h).view(b, A, B, -1)[:, :, B - self.draft_len:]       # the drafted slots: DFlash's 1..B-1
+    h = self.norm(h).view(b, A, B, -1)[:, :, 0 if self.all_slots else B - self.draft_len:]   # drafted slots (DFlash's 1..B-1), or all
     return h, self.block_labels(input_ids, loss_mask, anchors, anchor_valid), anchors, anchor_valid
 
 def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_valid=None, num_anchors=512,
@@ -372,7 +372,7 @@ def _draft_states(self, context_hidden, last_token, start_pos=None, cache=None):
         n = cache.k[i].shape[2]                  # a sliding layer's cache starts at start_pos - n: the block's anchor is n
         mask = None if w is None and not causal else block_mask(torch.tensor([[n]], device=h.device), n, self.block_size, w, causal)
         h = layer(h, rope, cache.k[i], cache.v[i], mask)
-    return self.norm(h)[:, self.block_size - self.draft_len:]
+    return self.norm(h)[:, 0 if self.all_slots else self.block_size - self.draft_len:]      # (all: a design that reads every slot)
 
 @torch.no_grad()
 def _draft(self, context_hidden, last_token, start_pos=None, cache=None):

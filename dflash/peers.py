@@ -16,7 +16,9 @@ from .shards import read_manifest, MANIFEST
 from .extracted import ExtractedDataset
 from .store import is_url
 from .taps import load_target_config, config_sha256, weights_sha256, target_name
-from .model import drafter_config, DFlashDraftModel
+from .model import drafter_config
+from .designs import drafter_class
+from .xpress import xpress_config, from_speculators
 
 # %% ../nbs/peers.ipynb #21658f1d
 def tap_columns(layer_ids, want, hidden):
@@ -145,7 +147,7 @@ def peer_shape(c):
 def check_weights(sd, cfg, where):
     """The tensors of the drafter weights `sd` that its `DFlashConfig` `cfg` implies (`fc`, the norms, `layers.*`), each checked there with
     its shape, and no layer past `num_hidden_layers`; a `ValueError` naming the file `where` and what does not fit."""
-    with torch.device('meta'): want = {k: tuple(v.shape) for k, v in DFlashDraftModel(cfg).state_dict().items()}
+    with torch.device('meta'): want = {k: tuple(v.shape) for k, v in drafter_class(cfg)(cfg).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in sd.items() if k in want or k.startswith('layers.')}
     part = lambda k: '.'.join(k.split('.')[:2]) + '.*' if k.startswith('layers.') else k          # a layer's tensors, said together
     said = lambda ks: list(dict.fromkeys(part(k) if all(j in ks for j in {**want, **got} if part(j) == part(k)) else k for k in ks))
@@ -156,6 +158,16 @@ def check_weights(sd, cfg, where):
                              f'{cfg.hidden_size}, taps {cfg.target_layer_ids}): ' + '; '.join(bad[:4])
                              + (f'; and {len(bad) - 4} more' if len(bad) > 4 else ''))
     return {k: sd[k].contiguous() for k in want}
+
+def _xpress(c, tc, src):
+    "The refiner of an XPress config `c` (speculators' or vLLM's layout): `xpress_config`'s arguments; None for a DFlash drafter's."
+    if c.get('speculators_model_type') != 'xpress' and 'Qwen3XPressModel' not in (c.get('architectures') or []): return None
+    if (K := c.get('draft_vocab_size')) and K != (V := tc.get_text_config().vocab_size):
+        raise ValueError(f'{src / "config.json"}: an XPress drafter with a draft vocabulary of {K} tokens (the target has {V}): vLLM 0.34 '
+                         'serves XPress over the whole vocabulary only, and dflash trains it so; train it with draft_vocab_size = V')
+    r = c.get('xpress_rank', 256)
+    return dict(xpress_rank=r, xpress_mlp_hidden=c.get('xpress_mlp_hidden') or r * c.get('xpress_mlp_ratio', 2),
+                xpress_num_passes=c.get('xpress_num_passes', c.get('num_jacobi_passes')))
 
 def import_drafter(src, out, target, mask_token_id=None):
     """A drafter of ours in `out` from a peer's saved folder `src` (config.json, model.safetensors) for `target` (a path or hub id):
@@ -172,13 +184,14 @@ def import_drafter(src, out, target, mask_token_id=None):
     if shape['mask_token_id'] is None:
         raise ValueError(f'{src / "config.json"} names no mask token: pass mask_token_id (the one it trained with)')
     if not shape['head_dim']: shape.pop('head_dim')
-    cfg = drafter_config(tc, **shape, target_model=target_name(target), target_config_sha256=config_sha256(tc),
-                         target_weights_sha256=weights_sha256(target))
+    xp = _xpress(c, tc, src)
+    ids = dict(target_model=target_name(target), target_config_sha256=config_sha256(tc), target_weights_sha256=weights_sha256(target))
+    cfg = drafter_config(tc, **shape, **ids) if xp is None else xpress_config(tc, **shape, **xp, **ids)
     try: sd = load_file(src / 'model.safetensors')
     except Exception as e:
         raise ValueError(f'{src / "model.safetensors"}: not a readable safetensors file ({type(e).__name__}: {e}): a damaged or truncated '
                          'copy?') from None
-    sd = check_weights(sd, cfg, src / 'model.safetensors')
+    sd = check_weights(from_speculators(sd), cfg, src / 'model.safetensors')      # (speculators' refiner names: vLLM's, ours)
     out.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(out)
     save_file(sd, out / 'model.safetensors', metadata={'format': 'pt'})

@@ -125,8 +125,9 @@ def model_card(path, training='', tau=None, measured='', temperature=None, tau_s
     and tau: `tau` {drafter: tau at T = 0}, and `tau_sampled` {drafter: tau} at `temperature` when measured."""
     c = json.loads((Path(path) / 'config.json').read_text())
     dc, target = c['dflash_config'], c.get('target_model') or 'the target'
-    two, spark = ('DFlash2DraftModel' in (c.get('architectures') or [])), 'Qwen3DSparkModel' in (c.get('architectures') or [])
-    n_draft, name = c['block_size'] if spark else c['block_size'] - 1, 'DSpark' if spark else 'DFlash2' if two else 'DFlash'
+    two, spark, xp = (a in (c.get('architectures') or []) for a in ('DFlash2DraftModel', 'Qwen3DSparkModel', 'Qwen3XPressModel'))
+    n_draft = c['block_size'] if spark else c['block_size'] - 1
+    name = 'DSpark' if spark else 'DFlash2' if two else 'XPress' if xp else 'DFlash'
     rev = f" (revision `{c['target_revision']}`)" if c.get('target_revision') else ''
     kind = ("As DFlash2, each layer wraps its attention and its MLP in grouped dynamic causal convolutions over the block "
             f"({dc.get('conv_kernel_size')} taps, groups of {dc.get('conv_group_size')} channels), and a candidate selector re-ranks each "
@@ -134,6 +135,13 @@ def model_card(path, training='', tau=None, measured='', temperature=None, tau_s
     if spark: kind = ("As DSpark (DeepSeek, arXiv 2607.05147), every slot of the block [anchor, mask x (B-1)] drafts; a Markov head of "
                       f"rank {c.get('markov_rank')} adds to each slot's logits a bias from the token before it (the one just drafted)"
                       + (_calibration(path, n_draft) if c.get('enable_confidence_head') else ". "))
+    if xp: kind = (f"As XPress (arXiv 2608.02438), a causal refiner of rank {c.get('xpress_rank')} adds to each drafted slot's logits a "
+                   f"bias from the tokens drafted before it, decoded by {c.get('xpress_num_passes')} Jacobi passes (after k passes the "
+                   "first k drafted slots are the slot-by-slot refinement). ")
+    sglang = ("SGLang and llama.cpp have no XPress drafter; vLLM 0.34 serves it (`architectures` Qwen3XPressModel picks the refiner; "
+              f"`num_speculative_tokens` must be {n_draft}, the block's drafted slots)." if xp else
+              f"SGLang: `python -m sglang.launch_server --model {target} --speculative-algorithm {'DSPARK' if spark else 'DFLASH'} "
+              "--speculative-draft-model-path PATH`")
     hot = tau_sampled is not None and temperature is not None
     names = list(dict.fromkeys([*(tau or {}), *(tau_sampled or {} if hot else {})]))
     cell = lambda d, k: f'{d[k]:.2f}' if d and k in d else ''
@@ -142,7 +150,7 @@ def model_card(path, training='', tau=None, measured='', temperature=None, tau_s
     text = f"""---
 library_name: transformers
 base_model: {target}
-tags: [dflash, {'dflash2, ' if two else 'dspark, ' if spark else ''}speculative-decoding, draft-model]
+tags: [dflash, {'dflash2, ' if two else 'dspark, ' if spark else 'xpress, ' if xp else ''}speculative-decoding, draft-model]
 ---
 # {name} drafter for {target}
 
@@ -164,8 +172,7 @@ A block-diffusion drafter ([DFlash](https://github.com/z-lab/dflash)) that draft
 vLLM: `vllm serve {target} --speculative-config \
 '{{"method": "{'dspark' if spark else 'dflash'}", "model": "PATH", "num_speculative_tokens": {n_draft}}}'`
 
-SGLang: `python -m sglang.launch_server --model {target} --speculative-algorithm {'DSPARK' if spark else 'DFLASH'} \
---speculative-draft-model-path PATH`
+{sglang}
 {'''
 DFlash2 is chosen by `architectures`, with the same method: vLLM needs a build with vllm-project/vllm#52816; SGLang's
 support is sgl-project/sglang#35371.

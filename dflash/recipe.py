@@ -96,8 +96,9 @@ class TrainConfig(Job):
     arch: str = param('dflash', "dflash, or dflash2: convolutions around each sublayer and a candidate selector (it starts as an exact "
                       "copy of a DFlash drafter); on a hybrid target the published Qwen3.8-27B layout: block 8, every layer sliding, "
                       "is_causal false; or dspark (DeepSeek's DSpark: all B slots draft, a Markov head on the token before, a confidence "
-                      "head; block 7 and the paper's loss)",
-                      choices=('dflash', 'dflash2', 'dspark'))
+                      "head; block 7 and the paper's loss); or xpress (a causal low-rank refiner from the token before each slot, "
+                      "decoded by Jacobi passes; one chain, speculators' loss)",
+                      choices=('dflash', 'dflash2', 'dspark', 'xpress'))
     is_causal: bool | None = param(None, "every layer causal inside the block (true) or none (false); None: sliding "
                                          "layers causal, full ones not")
     servable: bool | None = param(None, "what llama.cpp cannot serve (a tap on the target's last layer, DFlash2's hidden-size bounds) is "
@@ -107,6 +108,8 @@ class TrainConfig(Job):
                                         "settings left unset come from it",
                                   where='local')
     num_anchors: int | None = param(None, 'anchors (blocks) per sequence per step; None: 512 (recipe), 16 (demo)', min=1)
+    xpress_rank: int = param(256, "XPress: the refiner's rank r (speculators' 256; its two vocabulary matrices are V x r)", min=1,
+                             needs=(lambda c: c.arch == 'xpress', 'arch=xpress'))
     token_budget: int | None = param(None, "padded tokens per batch (targets and drafters); None: the memory plan's on GPUs (the largest "
                                      "that fits every rank, at most 16384), 16384 (recipe) on a CPU, 1024 (demo)", min=1)
     grad_ckpt: bool | None = param(None, "recompute each drafter layer in the backward, keeping only its input: about a third more of the "
@@ -244,15 +247,17 @@ class TrainConfig(Job):
     def check_loss(self):
         "The slots' weights against the design and the loss terms: here, and again once a resume has adopted the checkpoint's settings."
         rows, blocks = split_terms(parse_terms(self.loss_terms)) if self.loss_terms is not None else ({'ce': 1.0}, {})
+        if self.arch == 'xpress' and self.loss != 'decay' and self.origins.get('loss') == 'given':
+            raise ValueError(f"loss={self.loss}: an XPress drafter weighs its slots by 'decay' (speculators' slot decay)")
         if tree_loss_budget(self.loss):
             if self.arch == 'dspark': raise ValueError(f"loss={self.loss}: a DSpark drafter weighs its slots by 'decay' or 'dpace' (tree@N "
                                                        "and treegrad@N: DFlash and DFlash2)")
             if set(rows) != {'ce'}:
                 raise ValueError(f"loss={self.loss} weighs the slots from each label's log-probability: with "
                                  f"loss_terms ce, not {self.loss_terms}")
-        if blocks and (self.arch == 'dspark' or set(rows) != {'ce'}):
+        if blocks and ((other := self.arch in ('dspark', 'xpress')) or set(rows) != {'ce'}):
             raise ValueError(f"loss_terms={self.loss_terms}: the block terms {', '.join(blocks)} are read from each row's CE: with ce "
-                             f"alone (e.g. ce,focal:0.3,chain:40){' and a DFlash or DFlash2 drafter' if self.arch == 'dspark' else ''}")
+                             f"alone (e.g. ce,focal:0.3,chain:40){' and a DFlash or DFlash2 drafter' if other else ''}")
         return self
 
     def check(self):

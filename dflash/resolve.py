@@ -27,7 +27,7 @@ from .designs import drafter_class, saved_class, design_of, DESIGNS
 from .loss import parse_terms, needs_target, tree_loss_budget
 from .evaluate import load_prompts
 from .engine import serving_problems
-from .validate import check_best, check_best_by
+from .validate import check_best, check_best_by, tree_budgets
 from .speedup import read_profile, profile_lengths, check_profile, profile_sha256
 from .recipe import TrainConfig, SLIDING, FULL, layer_type_list, rank_device
 from .dist import batch_bytes
@@ -102,8 +102,12 @@ def resolve_arch(cfg, target_config):
     """The settings the run's design takes where the run leaves them open (`Design.defaults`, `designs.ipynb`): DSpark its paper's block,
     slot decay and loss; DFlash2 on a real hybrid target the published Qwen3.8-27B drafter's layout. The embedded demo keeps its own."""
     open_ = lambda k: cfg.origins.get(k, 'default') == 'default' or cfg.origins[k].startswith('recipe')
-    for k, (v, why) in DESIGNS[cfg.arch].defaults(is_hybrid(target_config), cfg.demo, cfg.num_layers).items():
+    d = DESIGNS[cfg.arch]
+    for k, (v, why) in d.defaults(is_hybrid(target_config), cfg.demo, cfg.num_layers).items():
         if open_(k): cfg.set(k, v, why)
+    if not d.trees and (tree_budgets(cfg.val_tree_budgets) != 'none' or cfg.eval_tree_budget):
+        raise ValueError(f'arch={cfg.arch} drafts one chain, no tree: val_tree_budgets={cfg.val_tree_budgets}, eval_tree_budget='
+                         f'{cfg.eval_tree_budget} ask for trees (leave them unset)')
 
 # %% ../nbs/resolve.ipynb #7e6646ae
 def resolve_layer_types(cfg, target_config):
@@ -278,7 +282,8 @@ def drafter_for(cfg, tcfg, mask_token_id):
         return c
     c = DESIGNS[cfg.arch].make_config(tcfg, cfg.num_layers, cfg.block_size, mask_token_id, cfg.layer_ids, layer_types=cfg.layer_types
                                       and layer_type_list(cfg.layer_types),
-             sliding_window=cfg.sliding_window, is_causal=cfg.is_causal, **ids)
+             sliding_window=cfg.sliding_window, is_causal=cfg.is_causal, **ids,
+             **{k: getattr(cfg, k) for k in DESIGNS[cfg.arch].settings})
     if hasattr(c, 'num_anchors'): c.num_anchors = cfg.num_anchors      # a config that records its anchors (DSpark's, as DeepSpec's does)
     return c
 

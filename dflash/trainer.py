@@ -160,7 +160,7 @@ def _forward_backward(self, item, last):
         o = net(item['hidden_states'], item['input_ids'], item['loss_mask'], num_anchors=self.cfg.num_anchors,
                 generator=anchor_generator(self.cfg.seed, self.d, item['p']), vocab=vocab,
                 loss=self.cfg.loss, dpace_alpha=self.cfg.dpace_alpha, selector_alpha=self.cfg.selector_alpha,
-                final_hidden=item.get('final_hidden'), terms=self.cfg.loss_terms, teacher_transform=self.teacher_transform)
+                final_hidden=item.get('final_hidden'), terms=self.resolved.loss_terms, teacher_transform=self.teacher_transform)
     (o.loss / self.cfg.grad_accum).backward()
     return o
 

@@ -138,3 +138,32 @@ def test_a_dspark_run_trains_saves_as_served_and_drafts_losslessly(w, tmp_path):
     assert s['lossless'] and s['drafted_per_step'] < r['drafted_per_step'], (s['drafted_per_step'], r['drafted_per_step'])
     hot = evaluate(target, DFlashDrafter(d, confidence_threshold=0.9), prompts, 24, temperature=0.7)
     assert hot['drafted_per_step'] < 7 and hot['new_tokens'] == 48
+
+
+def test_an_xpress_run_trains_saves_for_vllm_and_drafts_losslessly(w, tmp_path):
+    from safetensors import safe_open
+    from dflash.xpress import XPressDraftModel
+    from dflash.evaluate import evaluate, load_prompts
+    from dflash.validate import heldout_acceptance
+    from dflash.taps import load_target, load_tokenizer
+    args = ('--target', w / 'target', '--extracted', w / 'x', '--layer_ids', '1,3,5', '--arch', 'xpress', '--mask-token-id', '3')
+    fails(train_cli, *args, '--out', tmp_path / 'paper', msg="need the target's distribution")   # speculators' loss: 0.1 CE + 0.9 TV
+    fails(train_cli, *args, '--out', tmp_path / 'tree', '--loss-terms', 'ce', '--val-tree-budgets', '16', msg='drafts one chain')
+    fails(train_cli, *args, '--out', tmp_path / 'dpace', '--loss-terms', 'ce', '--loss', 'dpace', msg="weighs its slots by 'decay'")
+    train(target=str(w / 'target'), extracted=str(w / 'x'), out=str(tmp_path / 'xp'), layer_ids=[1, 3, 5], arch='xpress', loss_terms='ce',
+          xpress_rank=16, mask_token_id=3, **{**RUN, 'max_steps': 3})
+    recs = [m for m in read_metrics(tmp_path / 'xp') if 'loss' in m]
+    assert len(recs) == 3 and all(len(m['acc']) == 15 for m in recs)          # block 16: slots 1..15 draft
+    c = json.loads((tmp_path / 'xp/drafter/config.json').read_text())
+    assert c['architectures'] == ['Qwen3XPressModel'] and c['xpress_block_size'] == 16 and c['xpress_rank'] == 16
+    with safe_open(tmp_path / 'xp/drafter/model.safetensors', 'pt') as f: keys = set(f.keys())
+    assert {'xpress_head.w1.weight', 'xpress_head.w2.weight', 'xpress_head.mix.L', 'fc.weight'} <= keys
+    card = (tmp_path / 'xp/drafter/README.md').read_text()
+    assert '# XPress drafter' in card and '"method": "dflash"' in card and 'llama.cpp have no XPress drafter' in card
+    target = load_target(str(w / 'target')).eval()
+    d = load_drafter(tmp_path / 'xp/drafter', target)
+    assert isinstance(d, XPressDraftModel) and d.draft_len == 15
+    r = evaluate(target, d, load_prompts(load_tokenizer(str(w / 'target')), n=2), 24, strict=True)
+    assert r['lossless'] and 1 <= r['tau'] <= 16
+    h = heldout_acceptance(d, w / 'x', max_samples=8)
+    assert 1 <= h['val_tau'] <= 16

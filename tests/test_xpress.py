@@ -1,11 +1,11 @@
 """dflash.xpress against speculators 0.9.0's XPress refiner: the fixture tools/xpress_fixture.py recorded from their
-`XPressRefinerHead` (tests/fixtures/xpress_reference.*) loads into our `XPressHead` under its own names and gives the same block
-features, bias and one greedy pass; and its tensors take vLLM 0.34's names."""
+`XPressRefinerHead` (tests/fixtures/xpress_reference.*) loads into our `XPressHead` under its names renamed to ours (vLLM 0.34's)
+and gives the same block features, bias and one greedy pass."""
 import json
 from pathlib import Path
 import torch
 from safetensors.torch import load_file
-from dflash.xpress import XPressHead, vllm_names
+from dflash.xpress import XPressHead, SPECULATORS, from_speculators
 
 FIX = Path(__file__).resolve().parent / 'fixtures' / 'xpress_reference'
 
@@ -13,8 +13,10 @@ FIX = Path(__file__).resolve().parent / 'fixtures' / 'xpress_reference'
 def ours():
     meta, t = json.loads(FIX.with_suffix('.json').read_text()), load_file(str(FIX.with_suffix('.safetensors')))
     c = meta['config']
-    head = XPressHead(c['hidden_size'], c['verifier_vocab_size'], c['block_size'], c['rank'], c['mlp_ratio'], c['draft_vocab_size'])
-    head.load_state_dict({k: t[k] for k in meta['keys']})            # strict: their names are ours, tensor for tensor
+    assert c['draft_vocab_size'] == c['verifier_vocab_size']                 # vLLM 0.34 serves the whole vocabulary only
+    head = XPressHead(c['hidden_size'], c['verifier_vocab_size'], c['block_size'], c['rank'], c['mlp_ratio'] * c['rank'])
+    sd = from_speculators({'refiner_head.' + k: t[k] for k in meta['keys']})
+    head.load_state_dict({k.removeprefix('xpress_head.'): v for k, v in sd.items()})   # strict: every tensor of theirs, renamed
     return head.eval(), t, meta
 
 
@@ -30,9 +32,9 @@ def test_the_refiner_equals_speculators():
     assert torch.equal(drafted, t['out.one_pass']) and (drafted[:, 1:] != t['in.base'][:, 1:].argmax(-1)).any()   # the bias moved some
 
 
-def test_vllm_takes_the_refiner_under_its_names():
+def test_their_names_become_vllms():
     head, t, _ = ours()
-    sd = vllm_names(head)
-    assert torch.equal(sd['xpress_head.w1.weight'], t['token_embed.weight'])
-    assert torch.equal(sd['xpress_head.w2.weight'], t['readout.weight'])
-    assert torch.equal(sd['xpress_head.mix.L'], t['mix_l'])                      # raw: vLLM masks and folds it as it loads
+    sd = head.state_dict()
+    for theirs, mine in SPECULATORS.items(): assert torch.equal(sd[mine], t[theirs])
+    assert set(sd) == {'w1.weight', 'down_h.weight', 'down_g.weight', 'in_proj.weight', 'mlp_gate.weight', 'mlp_up.weight',
+                       'mlp_down.weight', 'w2.weight', 'mix.L'}                  # what vLLM 0.34's loader maps (xpress.ipynb)

@@ -55,7 +55,7 @@ def save_checkpoint(out, step, model, state, keep=2):
     return final
 
 # %% ../nbs/checkpoint.ipynb #ce169dce
-SHAPE_KEYS = ('num_layers', 'layer_ids', 'arch')      # the drafter's tensors change: no checkpoint of the old shape loads
+SHAPE_KEYS = ('num_layers', 'layer_ids', 'arch', 'xpress_rank')   # the drafter's tensors change: no checkpoint of the old shape loads
 FIXED_KEYS = {'init_from': 'init_from is read when a run starts, and a resume continues from the checkpoint, never from it',
               'drafters': "each drafter rank has its own share of the data order and of the checkpoint's state"}
 VAL_KEYS = ('val_data', 'val_extracted', 'val_samples', 'val_anchors', 'val_tree_budgets', 'engine_profile')

@@ -52,7 +52,7 @@ def init_config(path):
 def _checkpoint_settings(c):
     return dict(num_layers=c.num_hidden_layers, block_size=c.block_size, layer_ids=c.target_layer_ids, mask_token_id=c.mask_token_id,
                 layer_types=','.join(c.layer_types), sliding_window=c.sliding_window if SLIDING in c.layer_types else None,
-                arch=design_of(c).name, is_causal=getattr(c, 'is_causal', None))
+                arch=design_of(c).name, is_causal=getattr(c, 'is_causal', None), **{k: getattr(c, k) for k in design_of(c).settings})
 
 def check_weights(c, path):
     """The tensors of `path/model.safetensors` are those of a drafter of config `c`, by name and shape, and every one of them is

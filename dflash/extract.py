@@ -368,7 +368,7 @@ def extract(*args, model=None, **kw):
     if job.gpus and job.gpus > torch.cuda.device_count():
         raise RuntimeError(f'gpus={job.gpus}, but torch sees {torch.cuda.device_count()} CUDA devices')
     t0 = time.time()
-    store = Store(job.out, retries=job.store_retries).check() if is_url(job.out) else None   # a bad URL or credentials:
+    store = (s := Store.at(job.out, retries=job.store_retries)) and s.check()              # a bad URL or credentials:
                                                                                              # told before any work
     if store: claim_staging(_staging(job, store), store.url, ours=not job.staging_dir)   # this URL's staging, or refused: nothing deleted
     out = claim_out(_staging(job, store) if store else job.out, job); out.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,8 @@ def _chosen(cfg, trainer, validator, device):
     if validator is None or validator.best is None: return trainer.model, ''
     b, last = validator.best, trainer.step
     model = saved_class(validator.dir).from_pretrained(validator.dir).to(device)
-    model.attach_target(embed_tokens=trainer.model.target_io[0], lm_head=trainer.model.target_io[1])
+    emb, head = trainer.model.target_io
+    model.attach_target(embed_tokens=emb, lm_head=head)
     return model, (f" Published: the step-{b['step']} drafter, the best of the run by held-out acceptance (simulated tau "
                    f"{b['val_tau']:.3f} +- {b['val_tau_se']:.3f} on {b['val_sequences']} held-out conversations of the target's own replies"
                    + (f', {b["val_tau_walk"]:.3f} along the lossless loop\'s path' if b.get('val_tau_walk') else '') + '; '

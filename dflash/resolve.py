@@ -27,7 +27,7 @@ from .designs import drafter_class, saved_class, design_of, DESIGNS
 from .loss import parse_terms, needs_target, tree_loss_budget
 from .evaluate import load_prompts
 from .engine import serving_problems
-from .validate import check_best, check_best_by, tree_budgets
+from .validate import check_best, check_best_by
 from .speedup import read_profile, profile_lengths, check_profile, profile_sha256
 from .recipe import TrainConfig, SLIDING, FULL, layer_type_list, rank_device
 from .dist import batch_bytes
@@ -105,7 +105,7 @@ def resolve_arch(cfg, target_config):
     d = DESIGNS[cfg.arch]
     for k, (v, why) in d.defaults(is_hybrid(target_config), cfg.demo, cfg.num_layers).items():
         if open_(k): cfg.set(k, v, why)
-    if not d.trees and (tree_budgets(cfg.val_tree_budgets) != 'none' or cfg.eval_tree_budget):
+    if not d.trees and (cfg.val_tree_budgets != 'none' or cfg.eval_tree_budget):   # (one spelling: `TrainConfig.check`)
         raise ValueError(f'arch={cfg.arch} drafts one chain, no tree: val_tree_budgets={cfg.val_tree_budgets}, eval_tree_budget='
                          f'{cfg.eval_tree_budget} ask for trees (leave them unset)')
 

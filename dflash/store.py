@@ -232,7 +232,7 @@ MANIFEST = 'manifest.json'             # an extraction's manifest (`shards.ipynb
 def manifest_at(p, name='extracted'):
     """The manifest of the extraction at `p`, a folder or a store URL (`parse_url`; a store is asked now and says why it cannot answer);
     a `FileNotFoundError` naming the setting `name` and `p` where there is none: the first check of every job that reads an extraction."""
-    if is_url(p): m = Store(p, retries=3).read_json(MANIFEST)
+    if s := Store.at(p, retries=3): m = s.read_json(MANIFEST)
     else: m = json.loads((Path(p) / MANIFEST).read_text()) if (Path(p) / MANIFEST).is_file() else None
     if m is None: raise FileNotFoundError(f'{name}: {p} is not an extraction (no {MANIFEST})')
     return m

@@ -74,10 +74,10 @@ class XPressConfig(DFlashConfig):
         B = kwargs.pop('xpress_block_size', None)
         if self.architectures is None: self.architectures = ['Qwen3XPressModel']
         super().__post_init__(**kwargs)
-        if B is not None and self.block_size is not None and B != self.block_size:
+        if B is not None and B != self.block_size:
             raise ValueError(f'xpress_block_size {B}, block_size {self.block_size}: the refiner mixes the slots of one block')
         if self.xpress_mlp_hidden is None: self.xpress_mlp_hidden = 2 * self.xpress_rank
-        if self.xpress_num_passes is None and self.block_size: self.xpress_num_passes = self.block_size - 1
+        if self.xpress_num_passes is None: self.xpress_num_passes = self.block_size - 1
         if self.xpress_rank < 1 or self.xpress_num_passes < 0 or self.xpress_topc < 0:
             raise ValueError(f'xpress_rank {self.xpress_rank} (>= 1), xpress_num_passes {self.xpress_num_passes} (>= 0), xpress_topc '
                              f'{self.xpress_topc} (>= 0, 0: every token)')
@@ -123,18 +123,23 @@ class XPressDraftModel(DFlashDraftModel):
 # %% ../nbs/xpress.ipynb #d1325734
 XPRESS = dict(rounds=3, consistency=0.3, base=0.6, gamma=4.0)   # speculators 0.9.0's: L = C(tf) + 0.3 mean C(round) + 0.6 C(base)
 
+def _argmax_head(self, ids):
+    "`(W, b, w2, ids, mult, cap)`: the target's head and the refiner's readout over the scored rows `ids` (None: all), taken once a step."
+    head, R = self.target_io[1], self.xpress_head.w2.weight.detach()
+    W, b = head.weight.detach(), None if getattr(head, 'bias', None) is None else head.bias.detach()
+    if ids is not None: W, b, R = W[ids], None if b is None else b[ids], R[ids]
+    return (W, b, R, ids, *self.logit_transform)
+
 @torch.no_grad()
-def _argmax(self, h, x, vocab_ids, chunk):
-    """The token ids [n] of each row's refined argmax, softcap(h Wᵀ) + x w2ᵀ over the scored rows (`vocab_ids`, None: all), chunk
-    by chunk (`x` None: the backbone's own)."""
-    (mult, cap), (W, b), out = self.logit_transform, (lambda hd: (hd.weight.detach(), getattr(hd, 'bias', None)))(self.target_io[1]), []
-    R = self.xpress_head.w2.weight.detach()
-    if vocab_ids is not None: W, b, R = W[vocab_ids], None if b is None else b[vocab_ids], R[vocab_ids]
+def _argmax(h, x, head, chunk):
+    """The token ids [n] of each row's refined argmax, softcap(h Wᵀ) + x w2ᵀ over `head`'s rows (`_argmax_head`), chunk by chunk (`x`
+    None: the backbone's own)."""
+    (W, b, R, ids, mult, cap), out = head, []
     for i in range(0, len(h), n := _row_chunk(chunk, W)):
-        z = _softcap(F.linear(h[i:i + n].to(W.dtype), W, None if b is None else b.detach()).float(), mult, cap)
+        z = _softcap(F.linear(h[i:i + n].to(W.dtype), W, b).float(), mult, cap)
         out.append((z if x is None else z + F.linear(x[i:i + n].to(R.dtype), R).float()).argmax(-1))
     a = torch.cat(out)
-    return a if vocab_ids is None else vocab_ids[a]
+    return a if ids is None else ids[a]
 
 
 # %% ../nbs/xpress.ipynb #7e25e147
@@ -163,12 +168,12 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
                                 None if x is None else (rows(x), R), teacher_transform=teacher_transform)
         refined, w, norm, t, hit, _ = C(XH.latent(hs, tf))
         base, ok, rounds = C(None)[0], anchor_valid.flatten(), []
-        hv = h.flatten(0, 1)[ok][:, 1:].flatten(0, 1)                            # the rounds: every drafted slot of a real block
-        pred = _argmax(self, hv, None, ids, chunk).view(-1, B - 1)
+        hv, ah = h.flatten(0, 1)[ok][:, 1:].flatten(0, 1), _argmax_head(self, ids)   # the rounds: every drafted slot of a real block
+        pred = _argmax(hv, None, ah, chunk).view(-1, B - 1)
         for j in range(XPRESS['rounds']):
             prev = tf.clone(); prev[ok, 2:] = pred[:, :-1]                      # the token before slot k: slot k-1's argmax
             x = XH.latent(hs, prev); rounds.append(C(x)[0])
-            if j + 1 < XPRESS['rounds']: pred = _argmax(self, hv, x[ok][:, 1:].flatten(0, 1), ids, chunk).view(-1, B - 1)
+            if j + 1 < XPRESS['rounds']: pred = _argmax(hv, x[ok][:, 1:].flatten(0, 1), ah, chunk).view(-1, B - 1)
         rnd = sum(rounds) / len(rounds)
         hits[keep], loss_v = hit, (refined + XPRESS['consistency'] * rnd + XPRESS['base'] * base) / norm
         extra['terms'] = {'refined': refined.detach() / norm, 'rounds': rnd.detach() / norm, 'base': base.detach() / norm}
@@ -231,9 +236,6 @@ SPECULATORS = {'token_embed.weight': 'w1.weight', 'readout.weight': 'w2.weight',
 
 def from_speculators(sd):
     "speculators 0.9.0's saved tensors `sd` under our names, which are vLLM 0.34's: its `refiner_head.X` as `xpress_head.` + X renamed."
-    out = {}
-    for k, v in sd.items():
-        if k.startswith('refiner_head.'): k = 'xpress_head.' + SPECULATORS.get(k[len('refiner_head.'):], k[len('refiner_head.'):])
-        out[k] = v
-    return out
+    ours = lambda k: 'xpress_head.' + SPECULATORS.get(k, k)
+    return {(ours(k.removeprefix('refiner_head.')) if k.startswith('refiner_head.') else k): v for k, v in sd.items()}
 

@@ -134,7 +134,7 @@ def test_the_loss_equals_speculators_up_to_its_denominator():
     differs: we divide by the sum of the decay weights of the labelled slots, they by their count (speculators/losses/utils.py:296-299
     and speculators/models/xpress/metrics.py:54, eps 1e-5 and 1e-8), so theirs = ours * sum(w) / count, term by term."""
     model, t, meta = model_fixture()
-    out = forward(model, t)
+    out = forward(model.train(), t)                     # training: the three scores (held out, eval mode, the refined alone)
     keep = out.labels[0] != -100
     w = slot_weights(meta['config']['block_size'], meta['gamma']).expand_as(keep)[keep]
     assert torch.equal(keep, t['out.aligned_loss_mask'][:, 1:].bool()) and XPRESS['gamma'] == meta['gamma']
@@ -148,6 +148,8 @@ def test_the_loss_equals_speculators_up_to_its_denominator():
             assert abs(float(o.terms[ours]) * scale - m[theirs]) < 1e-5 * m[theirs], (spec, ours, float(o.terms[ours]) * scale, m[theirs])
         assert abs(o.loss.item() * scale - meta['loss'][name]['loss']) < 1e-5 * meta['loss'][name]['loss'], spec
     assert out.correct.sum().item() == meta['loss']['ce']['metrics']['accuracy_sum']    # hits: refined argmax == the data token
+    with torch.no_grad(): ev = forward(model.eval(), t)
+    assert abs(float(ev.loss) - float(out.terms['refined'])) < 1e-6 and set(ev.terms) == {'refined'}
 
 
 def test_a_perturbed_weight_breaks_the_match():

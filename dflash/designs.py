@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Callable
 from .model import DFlashConfig, DFlashDraftModel, drafter_config
 from .draft_vocab import DFlashVocabDraftModel, check_vocab_maps
-from .dflash2 import DFlash2DraftModel, as_dflash2
-from .dspark import DSparkDraftModel, dspark_config, PAPER, PAPER_GAMMA
-from .xpress import XPressDraftModel, xpress_config, XPRESS
+from .dflash2 import DFlash2DraftModel, as_dflash2, dflash2_train_bytes
+from .dspark import DSparkDraftModel, dspark_config, PAPER, PAPER_GAMMA, dspark_train_bytes
+from .xpress import XPressDraftModel, xpress_config, XPRESS, xpress_train_bytes
 
 # %% ../nbs/designs.ipynb #2a4aac56
 @dataclass(frozen=True)
@@ -35,6 +35,9 @@ class Design:
     served_vocab: type | None = None              # its class served with a head of its own over a draft vocabulary (None: it has none)
     trees: bool = True                            # does it draft DDTree trees (else one chain)?
     settings: tuple = ()                          # the run's settings its `make_config` takes by name
+    train_bytes: Callable = lambda config: dict(layer=0, slot=0, logit=0, row=0)   # bytes it keeps for the backward beyond a
+                                                  # DFlash drafter's: per block slot in each layer and outside them, per head
+                                                  # logit and per scored head row (`plan`)
 
 def _dflash2_defaults(hybrid, demo, num_layers):
     why = 'recipe: the published Qwen3.8-27B DFlash2 drafter'
@@ -53,11 +56,12 @@ def _xpress_defaults(hybrid, demo, num_layers):
 
 DESIGNS = {d.name: d for d in (
     Design('dflash', 'DFlashDraftModel', DFlashDraftModel, drafter_config, served_vocab=DFlashVocabDraftModel),
-    Design('dflash2', 'DFlash2DraftModel', DFlash2DraftModel, drafter_config, start=as_dflash2, defaults=_dflash2_defaults),
+    Design('dflash2', 'DFlash2DraftModel', DFlash2DraftModel, drafter_config, start=as_dflash2, defaults=_dflash2_defaults,
+           train_bytes=dflash2_train_bytes),
     Design('dspark', 'Qwen3DSparkModel', DSparkDraftModel, dspark_config, warm_start=False, default_terms=dict(PAPER),
-           defaults=_dspark_defaults, decay_gamma=lambda B: PAPER_GAMMA, first_slot=0),
+           defaults=_dspark_defaults, decay_gamma=lambda B: PAPER_GAMMA, first_slot=0, train_bytes=dspark_train_bytes),
     Design('xpress', 'Qwen3XPressModel', XPressDraftModel, xpress_config, default_terms={'ce': 0.1, 'tv': 0.9}, defaults=_xpress_defaults,
-           decay_gamma=lambda B: XPRESS['gamma'], trees=False, settings=('xpress_rank',)))}
+           decay_gamma=lambda B: XPRESS['gamma'], trees=False, settings=('xpress_rank',), train_bytes=xpress_train_bytes))}
 
 # %% ../nbs/designs.ipynb #6f89f2d4
 def design_of(config):

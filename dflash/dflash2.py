@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['DFLASH2', 'dflash2_config', 'BlockConv', 'DFlash2DecoderLayer', 'CandidateSelector', 'DFlash2DraftModel',
-           'as_dflash2']
+           'as_dflash2', 'dflash2_train_bytes']
 
 # %% ../nbs/dflash2.ipynb #4a3f921f
 import torch
@@ -237,3 +237,12 @@ def _tree_expander(self, h, roots, k=None):
     return expand
 
 DFlash2DraftModel.tree_expander = _tree_expander
+
+# %% ../nbs/dflash2.ipynb #0787f2ad
+def dflash2_train_bytes(config):
+    ("Bytes a DFlash2 drafter (or the DFlash drafter it starts from) keeps for the backward beyond a DFlash drafter's count (see "
+     "above): per block slot in each layer (`layer`: recomputed with the layer under grad_ckpt) and outside them; none per logit or row.")
+    K, k, r = (int(_value(config, n) or DFLASH2[n]) for n in ('conv_kernel_size', 'selector_top_k', 'selector_rank'))   # a DFlash
+    H, n = config.hidden_size, config.num_hidden_layers                                                     # config: its defaults
+    return dict(layer=4 * (K + 1) * 2 * H + 2 * 2 * H, slot=(2 * (k + 1) + 4 * 2) * r, logit=0, row=0)
+

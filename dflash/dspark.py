@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['DSPARK', 'STS_FILE', 'STS_BOUND', 'PAPER', 'PAPER_CONFIDENCE', 'PAPER_GAMMA', 'DSparkConfig', 'dspark_config',
            'MarkovHead', 'ConfidenceHead', 'write_sts', 'read_sts', 'sts_at_bound', 'DSparkDraftModel', 'dspark_labels',
-           'sts_fit', 'survival_ece', 'verify_len']
+           'sts_fit', 'survival_ece', 'verify_len', 'dspark_train_bytes']
 
 # %% ../nbs/dspark.ipynb #2f55328d
 import json, math, numbers, warnings
@@ -374,3 +374,10 @@ def _verify_len(self, threshold):
     return self.draft_len if self.last_confidence is None else verify_len(self.last_confidence[0], threshold)
 
 DSparkDraftModel.verify_len = _verify_len
+
+# %% ../nbs/dspark.ipynb #884592ae
+def dspark_train_bytes(config):
+    "Bytes a DSpark drafter keeps for the backward beyond a DFlash drafter's count (see above): per block slot, head logit and head row."
+    r, H = config.markov_rank, config.hidden_size
+    return dict(layer=0, slot=6 * r + (2 * (H + r) if config.enable_confidence_head else 0), logit=6, row=10 * r)
+

@@ -17,6 +17,7 @@ import torch
 from .core import DATA, Job, param, run_cli
 from .taps import default_layer_ids, check_layer_ids, load_target_config, text_config, gpu_count
 from .model import DFlashDraftModel, drafter_config
+from .designs import DESIGNS, build_drafter
 from .loss import HEAD_BYTES_PER_LOGIT, head_rows
 from .recipe import rank_device, device_memory
 
@@ -57,22 +58,26 @@ def layer_bytes_per_row(d):
     H, I, q, kv = d.hidden_size, d.intermediate_size, d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
     return 16 * H + 16 * q + 14 * kv + 8 * I
 
-def drafter_bytes_per_token(dconfig, mean_length, num_anchors=512, grad_ckpt=False, densest=True):
+def drafter_bytes_per_token(dconfig, mean_length, num_anchors=512, grad_ckpt=False, densest=True, extra=None):
     """Training activations of a drafter rank per token of a batch (flex attention: no scores held): the context's features and every
     layer's keys and values of it, and for each drafted slot every layer's `layer_bytes_per_row` and the head's rows (the final norm and
     the gradient the loss keeps). `grad_ckpt`: a layer keeps only its input, and the backward recomputes one layer at a time.
     `densest`: at the densest batch, of samples of `2 num_anchors` tokens or fewer (half of each labelled, every one an anchor), which
-    batching puts together, not at the mean (False: one sequence of `mean_length`)."""
+    batching puts together, not at the mean (False: one sequence of `mean_length`). `extra`: the design's `train_bytes` (its own bytes
+    a block slot, in each layer and outside them)."""
     d = dconfig; H, B, n, kv = d.hidden_size, d.block_size, d.num_hidden_layers, d.num_key_value_heads * d.head_dim
     L = min(mean_length, 2 * num_anchors) if densest else mean_length
     slots = min(num_anchors, L / 2) * B / L                                     # drafted slots per token of data
     ctx = 2 * len(d.target_layer_ids) * H + 10 * H + n * 14 * kv
-    layers = n * 2 * H + layer_bytes_per_row(d) if grad_ckpt else n * layer_bytes_per_row(d)
-    return ctx + slots * (layers + 10 * H)
+    e = extra or {}; row = layer_bytes_per_row(d) + e.get('layer', 0)
+    layers = n * 2 * H + row if grad_ckpt else n * row
+    return ctx + slots * (layers + 10 * H + e.get('slot', 0))
 
-def head_chunk_bytes(dconfig):
-    "The loss's logits, one chunk of `head_rows` rows at a time: the vocabulary makes it large, the chunk's rows keep it within bytes."
-    return HEAD_BYTES_PER_LOGIT * head_rows(dconfig.vocab_size) * dconfig.vocab_size
+def head_chunk_bytes(dconfig, extra=None):
+    """The loss's logits, one chunk of `head_rows` rows at a time: the vocabulary makes it large, the chunk's rows keep it within bytes.
+    `extra`: a design's `train_bytes` (a low-rank bias adds bytes a logit, and its readout's rows a row of the head)."""
+    e, V = extra or {}, dconfig.vocab_size
+    return (HEAD_BYTES_PER_LOGIT + e.get('logit', 0)) * head_rows(V) * V + e.get('row', 0) * V
 
 
 # %% ../nbs/plan.ipynb #da9384aa
@@ -109,6 +114,9 @@ class PlanConfig(Job):
     gpu_mem_gb: float = param(80.0, 'memory of one GPU, GB', min=1)
     dataset_tokens: float = param(1e9, 'tokens in the training data', min=1)
     mean_length: int = param(1500, 'mean tokens per sample (attention cost, anchors per sequence)', min=2)
+    arch: str = param('dflash', 'the drafter design (as TrainConfig): ' + ', '.join(DESIGNS) + "; each counted with its own parts",
+                      choices=tuple(DESIGNS))
+    xpress_rank: int = param(256, "XPress: the refiner's rank r (as TrainConfig)", min=1)
     num_layers: int = param(5, 'drafter layers (the recipe: 5)', min=1)
     block_size: int = param(16, 'block size (the recipe: 16)', min=2)
     num_anchors: int = param(512, 'anchors per sequence (the recipe: 512)', min=1)
@@ -184,13 +192,14 @@ def _split(job, ft, fd):
     t = job.targets if job.targets is not None else 1 if job.gpus == 1 else min(job.gpus - 1, max(1, round(job.gpus * ft / (ft + fd))))
     return t, max(1, job.gpus - t)
 
-def rank_budgets(job, room, weights, act, fixed, dcfg, t):
+def rank_budgets(job, room, weights, act, fixed, dcfg, t, extra=None):
     """`(target's largest budget or None offline, drafter's largest budget, drafter bytes a token, grad_ckpt)` in `room` bytes of a GPU.
     A target rank holds its weights, its posted sends (in `weights`) and `act` bytes a token; a drafter rank `fixed` and its activations;
-    one GPU of a target and a drafter holds both at one budget. `grad_ckpt` None: on where a sample of `max_length` fits only with it."""
+    one GPU of a target and a drafter holds both at one budget. `grad_ckpt` None: on where a sample of `max_length` fits only with it.
+    `extra`: the drafter design's `train_bytes`."""
     shared = job.gpus == 1 and t == 1
     def budgets(ckpt):
-        dact = drafter_bytes_per_token(dcfg, job.mean_length, job.num_anchors, ckpt)
+        dact = drafter_bytes_per_token(dcfg, job.mean_length, job.num_anchors, ckpt, extra=extra)
         tfree = room - weights - (fixed if shared else 0)
         tb = max(0, int(tfree // (act + (dact if shared else 0)))) if t else None
         return tb, tb if shared else max(0, int((room - fixed) // dact)), dact
@@ -203,16 +212,18 @@ def plan(*args, **kw):
     config = load_target_config(job.target); tc = text_config(config)
     ids = check_layer_ids(job.layer_ids or default_layer_ids(tc.num_hidden_layers, job.num_layers), tc.num_hidden_layers)
     total, per_layer, io = target_params(config)
-    dcfg = drafter_config(config, job.num_layers, job.block_size, 0, ids)
-    with torch.device('meta'): drafter = _numel(DFlashDraftModel(dcfg))
+    D = DESIGNS[job.arch]                                                          # the drafter of its design, its own parts counted
+    dcfg = D.make_config(config, job.num_layers, job.block_size, 0, ids, **{k: getattr(job, k) for k in D.settings})
+    with torch.device('meta'): drafter = _numel(build_drafter(dcfg, job.arch))
+    extra = D.train_bytes(dcfg)
     gb, weights, act = 1e9, 2 * total, activation_bytes_per_token(config, len(ids))
     reach = ids + [tc.num_hidden_layers - 1] if job.final_hidden else ids           # the layers the target runs
     ft, fd = target_flops_per_token(config, reach, job.mean_length), drafter_flops_per_token(dcfg, job.mean_length, job.num_anchors)
     t, dr = _split(job, ft, fd)
     bufs = held_buffers(job, tc.hidden_size, len(ids), max(t, 1), dr)
-    fixed = 16 * drafter + 2 * io + head_chunk_bytes(dcfg) + bufs['queue_bytes'] + bufs['mask_bytes']   # held in bytes by a setting each
+    fixed = 16 * drafter + 2 * io + head_chunk_bytes(dcfg, extra) + bufs['queue_bytes'] + bufs['mask_bytes']   # each held in bytes
     room = (1 - job.headroom) * job.gpu_mem_gb * gb
-    tb, db, dact, ckpt = rank_budgets(job, room, weights + bufs['send_bytes'], act, fixed, dcfg, t)
+    tb, db, dact, ckpt = rank_budgets(job, room, weights + bufs['send_bytes'], act, fixed, dcfg, t, extra)
     shared, largest = job.gpus == 1 and t == 1, min(db, db if tb is None else tb)    # one GPU for both; the most every rank holds
     run = min(job.token_budget, largest)
     tmem = weights + bufs['send_bytes'] + act * run if t else None
@@ -229,7 +240,7 @@ def plan(*args, **kw):
                 grad_ckpt=ckpt, target_rank_gb=None if tmem is None else tmem / gb, drafter_rank_gb=dmem / gb, gpu_gb=job.gpu_mem_gb,
                 drafter_params=drafter, disk_bytes_per_token=disk, disk_tb={k: v * job.dataset_tokens / 1e12 for k, v in disk.items()},
                 target_gflop_per_token=ft / 1e9, drafter_gflop_per_token=fd / 1e9, targets=t, drafters=dr,
-                head_chunk_gb=head_chunk_bytes(dcfg) / gb, drafter_mb_per_1k_tokens=dact * 1024 / 2**20,
+                head_chunk_gb=head_chunk_bytes(dcfg, extra) / gb, drafter_mb_per_1k_tokens=dact * 1024 / 2**20,
                 buffers=dict(bufs, staging_bytes=staging), head_share=dict(full=draft_head_share(dcfg, None, job.mean_length),
                                 served=draft_head_share(dcfg, min(job.draft_vocab, tc.vocab_size), job.mean_length)),
                 store=store, job=job.to_dict())
@@ -273,7 +284,8 @@ def show_plan(p):
     return '\n'.join([
         f"{p['target']}: {p['params'] / 1e9:.2f}B parameters; taps {p['layer_ids']}",
         f"target rank: weights {p['weights_gb']:.1f} GB in bf16 ({p['skippable_gb']:.1f} GB of it past the last tap); {tgt}",
-        f"drafter rank: {p['drafter_params'] / 1e9:.2f}B parameters; AdamW, the target's embedding and head, the loss's logits "
+        f"drafter rank ({j['arch']}): {p['drafter_params'] / 1e9:.2f}B parameters; AdamW, the target's embedding and head, the loss's "
+        f"logits "
         f"({p['head_chunk_gb']:.1f} GB a chunk) and {p['drafter_mb_per_1k_tokens']:.0f} MiB of activations per 1K tokens"
         f"{' (grad_ckpt: each layer recomputed in the backward)' if p['grad_ckpt'] else ''}: fits "
         f"{p['drafter_token_budget']:,} tokens at most",
@@ -310,7 +322,8 @@ def run_plan(cfg, lengths, final_hidden=False):
         return f'{per} ranks share {n} GPU{"s" * (n > 1)} of a machine: the plan counts a GPU a rank, or a target and a drafter on one'
     return plan(PlanConfig(target=cfg.target, gpus=1 if shared else cfg.world, gpu_mem_gb=gb, headroom=cfg.headroom, targets=t,
                            mean_length=max(2, round(float(np.mean(lengths)))), max_length=max(2, int(np.max(lengths))),
-                           num_layers=cfg.num_layers, block_size=cfg.block_size, num_anchors=cfg.num_anchors, layer_ids=cfg.layer_ids,
+                           arch=cfg.arch, xpress_rank=cfg.xpress_rank, num_layers=cfg.num_layers, block_size=cfg.block_size,
+                           num_anchors=cfg.num_anchors, layer_ids=cfg.layer_ids,
                            final_hidden=final_hidden, token_budget=cfg.token_budget, grad_ckpt=cfg.grad_ckpt, q_depth=cfg.q_depth,
                            q_gb=cfg.q_gb, send_gb=cfg.send_gb, mask_mb=cfg.mask_mb))
 

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['XPRESS', 'SPECULATORS', 'XPressHead', 'jacobi', 'XPressConfig', 'xpress_config', 'XPressDraftModel',
-           'from_speculators']
+           'from_speculators', 'xpress_train_bytes']
 
 # %% ../nbs/xpress.ipynb #9c3058fd
 from pathlib import Path
@@ -241,4 +241,11 @@ def from_speculators(sd):
     "speculators 0.9.0's saved tensors `sd` under our names, which are vLLM 0.34's: its `refiner_head.X` as `xpress_head.` + X renamed."
     ours = lambda k: 'xpress_head.' + SPECULATORS.get(k, k)
     return {(ours(k.removeprefix('refiner_head.')) if k.startswith('refiner_head.') else k): v for k, v in sd.items()}
+
+
+# %% ../nbs/xpress.ipynb #aa301f7d
+def xpress_train_bytes(config):
+    "Bytes an XPress drafter keeps for the backward beyond a DFlash drafter's count (see above): per block slot, head logit and head row."
+    r, m = config.xpress_rank, config.xpress_mlp_hidden
+    return dict(layer=0, slot=4 * r + (1 + XPRESS['rounds']) * (12 * r + 8 * m), logit=6, row=18 * r)
 

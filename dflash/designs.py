@@ -38,6 +38,11 @@ class Design:
     train_bytes: Callable = lambda config: dict(layer=0, slot=0, logit=0, row=0)   # bytes it keeps for the backward beyond a
                                                   # DFlash drafter's: per block slot in each layer and outside them, per head
                                                   # logit and per scored head row (`plan`)
+    title: str = 'DFlash'                         # its name in messages and on the model card
+    lever: Callable = lambda cfg: None            # what the card names among a run's levers (None: nothing, DFlash is the default)
+    loss_words: Callable = lambda cfg: None       # what the card's loss sentence adds for it (None: nothing)
+    slot_losses: tuple = ()                       # the slot weights a run may give it (`decay`, `dpace`, `tree`, `treegrad`; (): any)
+    block_terms: bool = True                      # may the block terms (focal, chain: read from each row's CE) join its loss?
 
 def _dflash2_defaults(hybrid, demo, num_layers):
     why = 'recipe: the published Qwen3.8-27B DFlash2 drafter'
@@ -54,14 +59,22 @@ def _xpress_defaults(hybrid, demo, num_layers):
     return dict(val_tree_budgets=('none', why), eval_tree_budget=(0, why), loss=('decay', "XPress: speculators' slot decay (gamma 4)"),
                 servable=(False, serve), engine_eval=(False, serve))
 
+def _xpress_loss(cfg):
+    return (f"XPress's composition: those terms on the refined logits (teacher-forced), plus {XPRESS['consistency']:g} x their mean "
+            f"over {XPRESS['rounds']} free-running rounds, plus {XPRESS['base']:g} x the backbone's own")
+
 DESIGNS = {d.name: d for d in (
     Design('dflash', 'DFlashDraftModel', DFlashDraftModel, drafter_config, served_vocab=DFlashVocabDraftModel),
     Design('dflash2', 'DFlash2DraftModel', DFlash2DraftModel, drafter_config, start=as_dflash2, defaults=_dflash2_defaults,
-           train_bytes=dflash2_train_bytes),
+           train_bytes=dflash2_train_bytes, title='DFlash2', lever=lambda cfg: 'DFlash2',
+           loss_words=lambda cfg: f"{cfg.selector_alpha:g} x the selector's cross-entropy"),
     Design('dspark', 'Qwen3DSparkModel', DSparkDraftModel, dspark_config, warm_start=False, default_terms=dict(PAPER),
-           defaults=_dspark_defaults, decay_gamma=lambda B: PAPER_GAMMA, first_slot=0, train_bytes=dspark_train_bytes),
+           defaults=_dspark_defaults, decay_gamma=lambda B: PAPER_GAMMA, first_slot=0, train_bytes=dspark_train_bytes, title='DSpark',
+           lever=lambda cfg: 'DSpark', slot_losses=('decay', 'dpace'), block_terms=False),
     Design('xpress', 'Qwen3XPressModel', XPressDraftModel, xpress_config, default_terms={'ce': 0.1, 'tv': 0.9}, defaults=_xpress_defaults,
-           decay_gamma=lambda B: XPRESS['gamma'], trees=False, settings=('xpress_rank',), train_bytes=xpress_train_bytes))}
+           decay_gamma=lambda B: XPRESS['gamma'], trees=False, settings=('xpress_rank',), train_bytes=xpress_train_bytes, title='XPress',
+           lever=lambda cfg: f'XPress (refiner rank {cfg.xpress_rank})', loss_words=_xpress_loss, slot_losses=('decay',),
+           block_terms=False))}
 
 # %% ../nbs/designs.ipynb #6f89f2d4
 def design_of(config):

@@ -15,6 +15,7 @@ from .core import (TINY_TARGET, TRAIN_DATA, REGEN_DATA, HELDOUT_DATA, HELDOUT_RE
 from .gguf import by_name
 from .taps import auto_device, gpu_count
 from .loss import parse_terms, split_terms, tree_loss_budget
+from .designs import DESIGNS
 from .track import check_trackers, report_to_param
 from .validate import tree_budgets, check_best_by
 from .tree import check_tree_budget
@@ -247,17 +248,18 @@ class TrainConfig(Job):
     def check_loss(self):
         "The slots' weights against the design and the loss terms: here, and again once a resume has adopted the checkpoint's settings."
         rows, blocks = split_terms(parse_terms(self.loss_terms)) if self.loss_terms is not None else ({'ce': 1.0}, {})
-        if self.arch == 'xpress' and self.loss != 'decay' and self.origins.get('loss') == 'given':
-            raise ValueError(f"loss={self.loss}: an XPress drafter weighs its slots by 'decay' (speculators' slot decay)")
+        d = DESIGNS[self.arch]
+        if d.slot_losses and self.loss.partition('@')[0] not in d.slot_losses and self.origins.get('loss') == 'given':
+            raise ValueError(f"loss={self.loss}: a{'n' * (d.title[0] in 'AEIOUX')} {d.title} drafter weighs its slots by "
+                             + ' or '.join(map(repr, d.slot_losses)))
         if tree_loss_budget(self.loss):
-            if self.arch == 'dspark': raise ValueError(f"loss={self.loss}: a DSpark drafter weighs its slots by 'decay' or 'dpace' (tree@N "
-                                                       "and treegrad@N: DFlash and DFlash2)")
             if set(rows) != {'ce'}:
                 raise ValueError(f"loss={self.loss} weighs the slots from each label's log-probability: with "
                                  f"loss_terms ce, not {self.loss_terms}")
-        if blocks and ((other := self.arch in ('dspark', 'xpress')) or set(rows) != {'ce'}):
+        if blocks and (not d.block_terms or set(rows) != {'ce'}):
             raise ValueError(f"loss_terms={self.loss_terms}: the block terms {', '.join(blocks)} are read from each row's CE: with ce "
-                             f"alone (e.g. ce,focal:0.3,chain:40){' and a DFlash or DFlash2 drafter' if other else ''}")
+                             f"alone (e.g. ce,focal:0.3,chain:40)" + ('' if d.block_terms else ' and a ' + ' or '.join(
+                                 e.title for e in DESIGNS.values() if e.block_terms) + ' drafter'))
         return self
 
     def check(self):

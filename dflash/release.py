@@ -14,7 +14,6 @@ from .core import append_jsonl
 from .taps import target_name, text_config, load_target_config
 from .loss import GAMMA
 from .dspark import PAPER_CONFIDENCE
-from .xpress import XPRESS
 from .designs import DESIGNS, saved_class, design_of
 from .draft_vocab import label_coverage
 from .publish import save_drafter, model_card
@@ -117,10 +116,7 @@ def _loss_said(cfg, run, model):
     design's, e.g. DSpark's paper mix, where `cfg.loss_terms` names none), DFlash2's selector cross-entropy, DSpark's confidence BCE (with
     a confidence head), and the slots' weights (`cfg.loss`, checked when the run was resolved: decay, D-PACE or a tree's)."""
     design, B, terms = design_of(model.config), model.block_size, run.loss_terms
-    extra = [cfg.arch == 'dflash2' and f"{cfg.selector_alpha:g} x the selector's cross-entropy",
-             cfg.arch == 'xpress' and (f"XPress's composition: those terms on the refined logits (teacher-forced), plus "
-                                       f"{XPRESS['consistency']:g} x their mean over {XPRESS['rounds']} free-running rounds, plus "
-                                       f"{XPRESS['base']:g} x the backbone's own"),
+    extra = [DESIGNS[cfg.arch].loss_words(cfg),
              getattr(model, 'confidence_head', None) is not None and (f"{PAPER_CONFIDENCE:g} x the confidence head's BCE against " +
              ('1 - TV' if run.final_states else "the slot's hit (1 - TV where the target's final states came with the data)"))]
     if cfg.loss == 'dpace': slots = f"D-PACE (alpha {cfg.dpace_alpha}: from the drafter's own confidence)"
@@ -136,9 +132,8 @@ def _trained_how(cfg, trainer, chosen):
     "The card's sentences on how the drafter was trained, its loss (as the run resolved it), and which step of the run it is (`chosen`)."
     data = f'the extraction `{cfg.extracted}` (offline)' if not cfg.online else f'`{cfg.data}` (online, {cfg.targets} target ranks)'
     start = f'Fine-tuned from the drafter `{cfg.init_from}`: ' if cfg.init_from else 'From random weights: '
-    levers = ', '.join(filter(None, [cfg.arch == 'dflash2' and 'DFlash2', cfg.arch == 'dspark' and 'DSpark',
-                                     cfg.arch == 'xpress' and f'XPress (refiner rank {cfg.xpress_rank})',
-                                     cfg.optimizer if cfg.optimizer != 'adamw' else 'AdamW', cfg.train_vocab and 'a training vocabulary '
+    levers = ', '.join(filter(None, [DESIGNS[cfg.arch].lever(cfg), cfg.optimizer if cfg.optimizer != 'adamw' else 'AdamW',
+                                     cfg.train_vocab and 'a training vocabulary '
                                      f'of {cfg.train_vocab} tokens',
                                      cfg.precondition and 'preconditioned taps']))
     return start + (f'{trainer.step} optimizer steps, {trainer.tokens} tokens, on {data}, with dflash: {cfg.drafters} drafter ranks, '

@@ -17,7 +17,7 @@ from .extracted import ExtractedDataset
 from .store import is_url
 from .taps import load_target_config, config_sha256, weights_sha256, target_name
 from .model import drafter_config
-from .designs import drafter_class
+from .designs import tensor_shapes
 from .xpress import xpress_config, from_speculators
 
 # %% ../nbs/peers.ipynb #21658f1d
@@ -147,7 +147,7 @@ def peer_shape(c):
 def check_weights(sd, cfg, where):
     """The tensors of the drafter weights `sd` that its `DFlashConfig` `cfg` implies (`fc`, the norms, `layers.*`), each checked there with
     its shape, and no layer past `num_hidden_layers`; a `ValueError` naming the file `where` and what does not fit."""
-    with torch.device('meta'): want = {k: tuple(v.shape) for k, v in drafter_class(cfg)(cfg).state_dict().items()}
+    want = tensor_shapes(cfg)
     got = {k: tuple(v.shape) for k, v in sd.items() if k in want or k.startswith('layers.')}
     part = lambda k: '.'.join(k.split('.')[:2]) + '.*' if k.startswith('layers.') else k          # a layer's tensors, said together
     said = lambda ks: list(dict.fromkeys(part(k) if all(j in ks for j in {**want, **got} if part(j) == part(k)) else k for k in ks))

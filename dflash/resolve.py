@@ -23,7 +23,7 @@ from .store import is_url
 from .extract import extract
 from .publish import mask_token_choice
 from .model import DFlashConfig
-from .designs import drafter_class, saved_class, design_of, DESIGNS
+from .designs import drafter_class, saved_class, design_of, DESIGNS, tensor_shapes
 from .loss import parse_terms, needs_target, tree_loss_budget
 from .evaluate import load_prompts
 from .engine import serving_problems
@@ -59,7 +59,7 @@ def check_weights(c, path):
     readable and finite (a NaN or inf tensor, or a truncated file, is refused, naming it)."""
     from safetensors import safe_open
     f = Path(path) / 'model.safetensors'
-    with torch.device('meta'): want = {k: tuple(v.shape) for k, v in drafter_class(c)(c).state_dict().items()}
+    want = tensor_shapes(c)
     try:
         with safe_open(f, 'pt') as fh:
             have = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}

@@ -242,7 +242,7 @@ DFlash2DraftModel.tree_expander = _tree_expander
 def dflash2_train_bytes(config):
     ("Bytes a DFlash2 drafter (or the DFlash drafter it starts from) keeps for the backward beyond a DFlash drafter's count (see "
      "above): per block slot in each layer (`layer`: recomputed with the layer under grad_ckpt) and outside them; none per logit or row.")
-    K, k, r = (int(_value(config, n) or DFLASH2[n]) for n in ('conv_kernel_size', 'selector_top_k', 'selector_rank'))   # a DFlash
-    H, n = config.hidden_size, config.num_hidden_layers                                                     # config: its defaults
+    K, k, r = (int(_value(config, n) or DFLASH2[n]) for n in ('conv_kernel_size', 'selector_top_k', 'selector_rank'))   # DFlash's: defaults
+    H, n = config.hidden_size, config.num_hidden_layers
     return dict(layer=4 * (K + 1) * 2 * H + 2 * 2 * H, slot=(2 * (k + 1) + 4 * 2) * r, logit=0, row=0)
 

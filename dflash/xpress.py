@@ -168,18 +168,18 @@ def _forward(self, hidden_states, input_ids, loss_mask, anchors=None, anchor_val
                                 None if x is None else (rows(x), R), teacher_transform=teacher_transform)
         refined, w, norm, t, hit, _ = C(XH.latent(hs, tf))
         hits[keep], extra['terms'] = hit, {'refined': refined.detach() / norm}
-    if len(lk) and not self.training: loss_v = refined / norm                  # held out: the CE of what it drafts
-    elif len(lk):
-        base, ok, rounds = C(None)[0], anchor_valid.flatten(), []
-        hv, ah = h.flatten(0, 1)[ok][:, 1:].flatten(0, 1), _argmax_head(self, ids)   # the rounds: every drafted slot of a real block
-        pred = _argmax(hv, None, ah, chunk).view(-1, B - 1)
-        for j in range(XPRESS['rounds']):
-            prev = tf.clone(); prev[ok, 2:] = pred[:, :-1]                      # the token before slot k: slot k-1's argmax
-            x = XH.latent(hs, prev); rounds.append(C(x)[0])
-            if j + 1 < XPRESS['rounds']: pred = _argmax(hv, x[ok][:, 1:].flatten(0, 1), ah, chunk).view(-1, B - 1)
-        rnd = sum(rounds) / len(rounds)
-        loss_v = (refined + XPRESS['consistency'] * rnd + XPRESS['base'] * base) / norm
-        extra['terms'] |= {'rounds': rnd.detach() / norm, 'base': base.detach() / norm}
+        loss_v = refined / norm                                                 # held out (eval mode): the CE of what it drafts
+        if self.training:
+            base, ok, rounds = C(None)[0], anchor_valid.flatten(), []
+            hv, ah = h.flatten(0, 1)[ok][:, 1:].flatten(0, 1), _argmax_head(self, ids)   # the rounds: every drafted slot of a real block
+            pred = _argmax(hv, None, ah, chunk).view(-1, B - 1)
+            for j in range(XPRESS['rounds']):
+                prev = tf.clone(); prev[ok, 2:] = pred[:, :-1]                      # the token before slot k: slot k-1's argmax
+                x = XH.latent(hs, prev); rounds.append(C(x)[0])
+                if j + 1 < XPRESS['rounds']: pred = _argmax(hv, x[ok][:, 1:].flatten(0, 1), ah, chunk).view(-1, B - 1)
+            rnd = sum(rounds) / len(rounds)
+            loss_v = (refined + XPRESS['consistency'] * rnd + XPRESS['base'] * base) / norm
+            extra['terms'] |= {'rounds': rnd.detach() / norm, 'base': base.detach() / norm}
     else: loss_v, norm = (h.sum() + sum(p.sum() for p in XH.parameters())) * 0, h.new_zeros(())
     if return_logits:                                                           # every drafted slot, teacher-forced and refined
         extra['logits'] = self.logits(h[:, :, 1:]).float() + XH.bias(hs, tf).view(b, A, B, -1)[:, :, 1:].float()
